@@ -1,0 +1,329 @@
+"""Settings: frozen, keyword-only, validated at construction.
+
+Every field has a default and an environment variable ``TLLM_S3KV_<FIELD>`` (upper case).
+TensorRT-LLM forwards only ``TLLM*``/``TRTLLM*`` variables to its MPI workers, so these are
+the names that reach every rank. A TOML file named by ``TLLM_S3KV_CONFIG`` may hold the same
+fields (lower case, top level or under an ``[s3kv]`` table). Precedence, lowest first:
+defaults, the TOML file, environment variables, explicit overrides.
+
+Sizes accept integers or strings such as ``"512MiB"``/``"2GB"``; durations accept numbers of
+seconds or strings such as ``"90s"``, ``"30m"``, ``"12h"``, ``"7d"``, ``"2w"``.
+
+Credentials are never settings here: boto3's standard chain (environment, profile, SSO,
+container and instance roles) supplies them, so they never appear in a config dump.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+import sys
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any, Literal
+
+from s3kv.errors import ConfigError
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - exercised on 3.10 only
+    import tomli as tomllib
+
+ENV_PREFIX = "TLLM_S3KV_"
+CONFIG_FILE_ENV = "TLLM_S3KV_CONFIG"
+
+CodecName = Literal["planes-zstd", "zstd", "raw"]
+SavePolicy = Literal["drop", "block"]
+AddressingStyle = Literal["auto", "path", "virtual"]
+ConditionalPut = Literal["auto", "on", "off"]
+
+_SIZE_UNITS = {
+    "": 1, "b": 1,
+    "k": 1000, "kb": 1000, "kib": 1024,
+    "m": 1000**2, "mb": 1000**2, "mib": 1024**2,
+    "g": 1000**3, "gb": 1000**3, "gib": 1024**3,
+    "t": 1000**4, "tb": 1000**4, "tib": 1024**4,
+}  # fmt: skip
+_DURATION_UNITS = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
+_DURATION_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhdw]?)\s*$")
+
+
+def parse_size(value: str | int | float, *, name: str = "size") -> int:
+    """Parse a byte size such as ``4096``, ``"512MiB"`` or ``"2GB"``.
+
+    Raises:
+        ConfigError: naming ``name`` when the value is not a non-negative size.
+    """
+    if isinstance(value, bool):
+        raise ConfigError(f"{name}: expected a byte size like 512MiB, got {value!r}")
+    if isinstance(value, int | float):
+        if value < 0:
+            raise ConfigError(f"{name}: must be >= 0, got {value!r}")
+        return int(value)
+    match = _SIZE_RE.match(value)
+    unit = match.group(2).lower() if match else ""
+    if not match or unit not in _SIZE_UNITS:
+        raise ConfigError(f"{name}: expected a byte size like 512MiB or 2GB, got {value!r}")
+    return int(float(match.group(1)) * _SIZE_UNITS[unit])
+
+
+def parse_duration(value: str | int | float, *, name: str = "duration") -> float:
+    """Parse a duration in seconds: ``30``, ``"90s"``, ``"30m"``, ``"12h"``, ``"7d"``, ``"2w"``.
+
+    Raises:
+        ConfigError: naming ``name`` when the value is not a non-negative duration.
+    """
+    if isinstance(value, bool):
+        raise ConfigError(f"{name}: expected a duration like 30s or 7d, got {value!r}")
+    if isinstance(value, int | float):
+        if value < 0:
+            raise ConfigError(f"{name}: must be >= 0, got {value!r}")
+        return float(value)
+    match = _DURATION_RE.match(value)
+    if not match:
+        raise ConfigError(
+            f"{name}: expected a duration like 90s, 30m, 12h, 7d or 2w, got {value!r}"
+        )
+    return float(match.group(1)) * _DURATION_UNITS[match.group(2)]
+
+
+def _size(default: int, doc: str) -> Any:
+    return field(default=default, metadata={"kind": "size", "doc": doc})
+
+
+def _duration(default: float, doc: str) -> Any:
+    return field(default=default, metadata={"kind": "duration", "doc": doc})
+
+
+def _plain(default: Any, doc: str, *, choices: tuple[str, ...] = ()) -> Any:
+    return field(default=default, metadata={"kind": "plain", "doc": doc, "choices": choices})
+
+
+@dataclass(frozen=True, kw_only=True)
+class S3KVConfig:
+    """All s3kv settings. Memory cost of the bounded resources is stated per field."""
+
+    # --- where ---
+    bucket: str = _plain("", "Bucket holding the KV objects (required to open S3).")
+    prefix: str = _plain("s3kv", "Key prefix inside the bucket; all objects live below it.")
+    endpoint_url: str | None = _plain(
+        None, "S3 endpoint (MinIO, SeaweedFS, Ceph); default: AWS_ENDPOINT_URL_S3 or AWS."
+    )
+    region: str | None = _plain(None, "AWS region; default: the credential chain's region.")
+    profile: str | None = _plain(None, "AWS shared-config profile name.")
+    addressing_style: AddressingStyle = _plain(
+        "auto", "S3 addressing: auto, path (MinIO/SeaweedFS/Ceph) or virtual.",
+        choices=("auto", "path", "virtual"),
+    )
+    ca_bundle: str | None = _plain(None, "Path to a CA bundle for a private TLS endpoint.")
+    # --- transport ---
+    connect_timeout: float = _duration(5.0, "TCP connect timeout per attempt.")
+    read_timeout: float = _duration(30.0, "Socket read timeout per attempt.")
+    max_attempts: int = _plain(3, "Attempts per request (standard retry mode), >= 1.")
+    conditional_put: ConditionalPut = _plain(
+        "auto", "Use If-None-Match on block PUTs: auto (probe once), on, off.",
+        choices=("auto", "on", "off"),
+    )
+    # --- engine ---
+    io_threads: int = _plain(8, "Threads doing GET/PUT + codec work (the one I/O pool).")
+    codec: CodecName = _plain(
+        "planes-zstd", "Block codec: planes-zstd, zstd or raw.",
+        choices=("planes-zstd", "zstd", "raw"),
+    )
+    compression_level: int = _plain(1, "zstd level; 1 measured best on KV byte planes.")
+    staging_bytes: int = _size(
+        2 * 1024**3, "Host staging cache budget (decoded blocks; pinned memory under CUDA)."
+    )
+    max_inflight_save_bytes: int = _size(
+        512 * 1024**2, "Raw bytes of saves queued or uploading; beyond it save_policy applies."
+    )
+    save_policy: SavePolicy = _plain(
+        "drop", "When save bytes are at the bound: drop (count it) or block (wait).",
+        choices=("drop", "block"),
+    )
+    save_block_timeout: float = _duration(5.0, "Longest a save waits under save_policy=block.")
+    max_prefetch_queue: int = _plain(4096, "Prefetches queued at once; more are dropped.")
+    close_timeout: float = _duration(30.0, "Deadline for draining saves on close().")
+    # --- manifest ---
+    bloom_capacity: int = _plain(10_000_000, "Keys the Bloom filter is sized for.")
+    bloom_fpr: float = _plain(1e-6, "Target false-positive rate at capacity (0 < p < 0.5).")
+    manifest_refresh_interval: float = _duration(
+        30.0, "How often other instances' new segments are read (0 disables)."
+    )
+    manifest_flush_interval: float = _duration(5.0, "How often new keys/hits are flushed.")
+    manifest_flush_keys: int = _plain(4096, "Flush a segment early once this many records wait.")
+    instance_id: str = _plain("", "Name of this instance in segment keys; default random.")
+    # --- observability ---
+    metrics_port: int = _plain(0, "Serve Prometheus metrics on this port (0 = do not serve).")
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            _validate_field(f.name, getattr(self, f.name), f.metadata)
+        checks: list[tuple[bool, str]] = [
+            (self.max_attempts >= 1, "max_attempts: must be >= 1"),
+            (self.io_threads >= 1, "io_threads: must be >= 1"),
+            (-7 <= self.compression_level <= 22, "compression_level: must be in -7..22"),
+            (0.0 < self.bloom_fpr < 0.5, "bloom_fpr: must be between 0 and 0.5"),
+            (self.bloom_capacity >= 1, "bloom_capacity: must be >= 1"),
+            (self.max_prefetch_queue >= 1, "max_prefetch_queue: must be >= 1"),
+            (self.manifest_flush_keys >= 1, "manifest_flush_keys: must be >= 1"),
+            (0 <= self.metrics_port <= 65535, "metrics_port: must be in 0..65535"),
+            ("//" not in self.prefix, "prefix: must not contain '//'"),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise ConfigError(message)
+
+    @property
+    def key_prefix(self) -> str:
+        """The prefix without leading/trailing slashes ('' for the bucket root)."""
+        return self.prefix.strip("/")
+
+    def replace(self, **changes: Any) -> S3KVConfig:
+        """A copy with ``changes`` applied (validated like a new config)."""
+        return dataclasses.replace(self, **changes)
+
+    @classmethod
+    def env_name(cls, field_name: str) -> str:
+        """The environment variable that sets ``field_name``."""
+        return ENV_PREFIX + field_name.upper()
+
+    @classmethod
+    def load(
+        cls,
+        *,
+        environ: Mapping[str, str] | None = None,
+        config_file: str | os.PathLike[str] | None = None,
+        **overrides: Any,
+    ) -> S3KVConfig:
+        """Build the config from defaults, the TOML file, the environment and ``overrides``.
+
+        Args:
+            environ: Environment to read (default ``os.environ``).
+            config_file: TOML file; default the path in ``TLLM_S3KV_CONFIG``, if set.
+            overrides: Field values that win over everything else (``None`` is ignored).
+
+        Raises:
+            ConfigError: an unknown setting, an unreadable file, or an invalid value; the
+                message names the setting and where it came from.
+        """
+        values, _ = cls.load_with_sources(
+            environ=environ, config_file=config_file, **overrides
+        )
+        return values
+
+    @classmethod
+    def load_with_sources(
+        cls,
+        *,
+        environ: Mapping[str, str] | None = None,
+        config_file: str | os.PathLike[str] | None = None,
+        **overrides: Any,
+    ) -> tuple[S3KVConfig, dict[str, str]]:
+        """Like :meth:`load`, also returning where each non-default setting came from."""
+        env = os.environ if environ is None else environ
+        known = {f.name: f for f in fields(cls)}
+        raw: dict[str, Any] = {}
+        sources: dict[str, str] = {}
+        path = config_file if config_file is not None else env.get(CONFIG_FILE_ENV)
+        if path:
+            for name, value in _read_toml(Path(path)).items():
+                if name not in known:
+                    raise ConfigError(
+                        f"{path}: unknown setting {name!r}; known: {', '.join(sorted(known))}"
+                    )
+                raw[name] = value
+                sources[name] = f"file {path}"
+        for name in known:
+            env_name = cls.env_name(name)
+            if env_name in env:
+                raw[name] = env[env_name]
+                sources[name] = f"env {env_name}"
+        unknown_env = sorted(
+            k for k in env
+            if k.startswith(ENV_PREFIX) and k != CONFIG_FILE_ENV
+            and k[len(ENV_PREFIX):].lower() not in known
+        )  # fmt: skip
+        if unknown_env:
+            raise ConfigError(
+                f"{unknown_env[0]}: unknown setting; known names are "
+                f"{ENV_PREFIX}<{'|'.join(n.upper() for n in sorted(known))}>"
+            )
+        for name, value in overrides.items():
+            if name not in known:
+                raise ConfigError(f"unknown setting {name!r}")
+            if value is not None:
+                raw[name] = value
+                sources[name] = "argument"
+        coerced = {
+            name: _coerce(name, value, known[name].type, known[name].metadata,
+                          sources.get(name, "default"))
+            for name, value in raw.items()
+        }  # fmt: skip
+        return cls(**coerced), sources
+
+    def describe(self) -> dict[str, Any]:
+        """All settings as a plain dict (safe to log: there are no secrets in it)."""
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+def _read_toml(path: Path) -> dict[str, Any]:
+    try:
+        data = tomllib.loads(path.read_text(encoding="utf-8"))
+    except OSError as exc:
+        raise ConfigError(
+            f"{CONFIG_FILE_ENV}: cannot read {path}: {exc.strerror}; fix the path"
+        ) from exc
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"{CONFIG_FILE_ENV}: {path} is not valid TOML: {exc}") from exc
+    table = data.get("s3kv", data)
+    if not isinstance(table, dict):
+        raise ConfigError(f"{path}: [s3kv] must be a table")
+    return dict(table)
+
+
+def _coerce(name: str, value: Any, annotation: Any, meta: Mapping[str, Any], source: str) -> Any:
+    """Turn a string/TOML value into the field's type; errors name the setting and source."""
+    kind = meta.get("kind", "plain")
+    where = f"{name} (from {source})"
+    if kind == "size":
+        return parse_size(value, name=where)
+    if kind == "duration":
+        return parse_duration(value, name=where)
+    type_name = str(annotation)
+    if not isinstance(value, str):
+        return value
+    if type_name.startswith("int"):
+        try:
+            return int(value)
+        except ValueError:
+            raise ConfigError(f"{where}: expected an integer, got {value!r}") from None
+    if type_name.startswith("float"):
+        try:
+            return float(value)
+        except ValueError:
+            raise ConfigError(f"{where}: expected a number, got {value!r}") from None
+    if type_name.startswith("bool"):
+        lowered = value.strip().lower()
+        if lowered in ("1", "true", "yes", "on"):
+            return True
+        if lowered in ("0", "false", "no", "off"):
+            return False
+        raise ConfigError(f"{where}: expected true or false, got {value!r}")
+    if "None" in type_name and value.strip() == "":
+        return None
+    return value
+
+
+def _validate_field(name: str, value: Any, meta: Mapping[str, Any]) -> None:
+    choices: tuple[str, ...] = meta.get("choices", ())
+    if choices and value not in choices:
+        raise ConfigError(f"{name}: must be one of {', '.join(choices)}; got {value!r}")
+    kind = meta.get("kind")
+    if kind in ("size", "duration") and (
+        not isinstance(value, int | float) or isinstance(value, bool) or value < 0
+    ):
+        raise ConfigError(f"{name}: must be a non-negative number, got {value!r}")

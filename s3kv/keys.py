@@ -1,0 +1,385 @@
+"""Block keys: chained prefix hashes, the model fingerprint and the object key layout.
+
+A block's key must identify its KV bytes exactly, across processes, hosts and releases:
+
+* :func:`hash_block` is SHA-256 (truncated to 128 bits) over a length-prefixed encoding of
+  the parent block's hash, the block's token ids as fixed-width integers, the per-token
+  extra ids, the LoRA task id, the multimodal item hashes with their offsets, and (first
+  block only) the cache salt. Chaining through the parent makes block *i*'s key cover the
+  whole prefix ``[0, (i + 1) * tokens_per_block)``. Python's ``hash()`` is never used: it is
+  randomized per process.
+* :class:`ModelIdentity` names everything that changes the meaning of the bytes (model and
+  weights revision, dtypes, quantization, block geometry, layout, TP shard, format version).
+  Its :meth:`~ModelIdentity.fingerprint` namespaces every object. An input that is unknown
+  (``None`` or :data:`UNKNOWN`) fails *closed*: the fingerprint gets a per-process random
+  component, so it can never match another instance's objects.
+* :func:`block_object_key` maps (prefix, fingerprint, hash) to the object key, with the hash's
+  leading hex digits as a directory so that load and listings spread over key prefixes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import struct
+from collections.abc import Sequence
+from dataclasses import dataclass, fields
+from typing import Final, NewType
+
+import numpy as np
+import numpy.typing as npt
+
+from s3kv.errors import KeyDerivationError
+
+logger = logging.getLogger(__name__)
+
+#: Version of the object format and key layout; part of every fingerprint.
+FORMAT_VERSION: Final = 1
+
+#: A block key: 16 bytes of a chained SHA-256. Distinct from ``bytes`` for the type checker.
+BlockHash = NewType("BlockHash", bytes)
+HASH_BYTES: Final = 16
+#: The parent of the first block of every chain.
+ROOT_HASH: Final = BlockHash(bytes(HASH_BYTES))
+
+#: Marks an identity field whose true value is not known; the fingerprint then fails closed.
+UNKNOWN: Final = "<unknown>"
+
+_BLOCK_DOMAIN: Final = b"s3kv/block/v1\x00"
+_FINGERPRINT_DOMAIN: Final = "s3kv/fingerprint/v1"
+_MAX_TOKEN: Final = 2**32 - 1
+_SHARD_HEX_DIGITS: Final = 2
+#: Per-process nonce used when an identity input is unknown (fail closed).
+_PROCESS_NONCE: Final = os.urandom(16).hex()
+
+
+@dataclass(frozen=True)
+class MultimodalItem:
+    """One multimodal input placed in the prompt.
+
+    Attributes:
+        content_hash: Digest of the item's content (TensorRT-LLM passes 32 bytes).
+        start: Token position of the item's first placeholder token in the prompt.
+        length: Number of prompt tokens the item occupies.
+    """
+
+    content_hash: bytes
+    start: int
+    length: int
+
+    def __post_init__(self) -> None:
+        if not self.content_hash or len(self.content_hash) > 255:
+            raise KeyDerivationError("MultimodalItem.content_hash: must be 1..255 bytes")
+        if self.start < 0 or self.length <= 0:
+            raise KeyDerivationError(
+                f"MultimodalItem: start must be >= 0 and length > 0, got "
+                f"start={self.start} length={self.length}"
+            )
+
+
+def _u32(value: int) -> bytes:
+    return struct.pack("<I", value)
+
+
+def _u64(value: int, what: str) -> bytes:
+    if not 0 <= value < 2**64:
+        raise KeyDerivationError(f"{what}: must be in 0..2**64-1, got {value}")
+    return struct.pack("<Q", value)
+
+
+def tokens_to_array(tokens: Sequence[int] | npt.NDArray[np.integer]) -> npt.NDArray[np.uint32]:
+    """Token ids as a little-endian uint32 array, validating the range 0..2**32-1."""
+    arr = np.asarray(tokens)
+    if arr.ndim != 1:
+        raise KeyDerivationError(f"tokens: expected a 1-D sequence, got shape {arr.shape}")
+    if arr.size == 0:
+        return np.zeros(0, dtype="<u4")
+    if not np.issubdtype(arr.dtype, np.integer):
+        raise KeyDerivationError(f"tokens: expected integers, got dtype {arr.dtype}")
+    if int(arr.min()) < 0 or int(arr.max()) > _MAX_TOKEN:
+        raise KeyDerivationError("tokens: every token id must be in 0..2**32-1")
+    return arr.astype("<u4", copy=False)
+
+
+def _block_digest(
+    parent: bytes,
+    token_bytes: bytes,
+    n_tokens: int,
+    extra_bytes: bytes | None,
+    lora_task_id: int | None,
+    mm_parts: Sequence[tuple[bytes, int, int]],
+    salt: bytes | None,
+) -> BlockHash:
+    h = hashlib.sha256(_BLOCK_DOMAIN)
+    h.update(parent)
+    h.update(_u32(n_tokens))
+    h.update(token_bytes)
+    if extra_bytes is None:
+        h.update(b"\x00")
+    else:
+        h.update(b"\x01")
+        h.update(extra_bytes)
+    if lora_task_id is None:
+        h.update(b"\x00")
+    else:
+        h.update(b"\x01")
+        h.update(_u64(lora_task_id, "lora_task_id"))
+    h.update(_u32(len(mm_parts)))
+    for content_hash, item_offset, block_offset in mm_parts:
+        h.update(bytes([len(content_hash)]))
+        h.update(content_hash)
+        h.update(_u64(item_offset, "multimodal item offset"))
+        h.update(_u64(block_offset, "multimodal block offset"))
+    if salt is None:
+        h.update(b"\x00")
+    else:
+        h.update(b"\x01")
+        h.update(_u32(len(salt)))
+        h.update(salt)
+    return BlockHash(h.digest()[:HASH_BYTES])
+
+
+def hash_block(
+    parent: BlockHash,
+    tokens: Sequence[int] | npt.NDArray[np.integer],
+    *,
+    extra_ids: Sequence[int] | None = None,
+    lora_task_id: int | None = None,
+    multimodal: Sequence[tuple[bytes, int, int]] = (),
+    cache_salt: str | bytes | None = None,
+) -> BlockHash:
+    """Hash one block, chained to ``parent``.
+
+    Args:
+        parent: The previous block's hash, or :data:`ROOT_HASH` for the first block.
+        tokens: The block's token ids.
+        extra_ids: One extra id per token (TensorRT-LLM's per-token extra ids), or ``None``.
+        lora_task_id: The LoRA adapter's task id, or ``None`` for the base model.
+        multimodal: ``(content_hash, offset_within_item, offset_within_block)`` for each
+            multimodal item overlapping the block: where in the item the block's overlap
+            starts, and where in the block the item starts (stricter than TensorRT-LLM, which
+            keys only the former; placeholder tokens alone cannot tell the two apart).
+        cache_salt: Tenant/isolation salt; only allowed on the first block (later blocks
+            inherit it through the chain, as in TensorRT-LLM's ``blockKey.cpp``).
+
+    Raises:
+        KeyDerivationError: malformed input (wrong lengths, out-of-range ids, salt on a
+            non-first block).
+    """
+    if len(parent) != HASH_BYTES:
+        raise KeyDerivationError(f"parent: expected {HASH_BYTES} bytes, got {len(parent)}")
+    arr = tokens_to_array(tokens)
+    extra_bytes = _extra_bytes(extra_ids, arr.size)
+    salt = _salt_bytes(cache_salt)
+    if salt is not None and parent != ROOT_HASH:
+        raise KeyDerivationError("cache_salt: only the first block (parent=ROOT_HASH) takes it")
+    return _block_digest(
+        parent, arr.tobytes(), arr.size, extra_bytes, lora_task_id, multimodal, salt
+    )
+
+
+def chain_hashes(
+    tokens: Sequence[int] | npt.NDArray[np.integer],
+    tokens_per_block: int,
+    *,
+    extra_ids: Sequence[int] | None = None,
+    lora_task_id: int | None = None,
+    multimodal: Sequence[MultimodalItem] = (),
+    cache_salt: str | bytes | None = None,
+    max_blocks: int | None = None,
+) -> list[BlockHash]:
+    """Chained hashes of the *full* blocks of ``tokens`` (a trailing partial block is skipped).
+
+    Equivalent to calling :func:`hash_block` block by block, but converts the tokens once.
+
+    Raises:
+        KeyDerivationError: as :func:`hash_block`, or ``tokens_per_block < 1``.
+    """
+    if tokens_per_block < 1:
+        raise KeyDerivationError(f"tokens_per_block: must be >= 1, got {tokens_per_block}")
+    arr = tokens_to_array(tokens)
+    n_blocks = arr.size // tokens_per_block
+    if max_blocks is not None:
+        n_blocks = min(n_blocks, max_blocks)
+    token_bytes = arr.tobytes()
+    extra_all = _extra_bytes(extra_ids, arr.size)
+    salt = _salt_bytes(cache_salt)
+    width = 4 * tokens_per_block
+    parent = ROOT_HASH
+    out: list[BlockHash] = []
+    for i in range(n_blocks):
+        start, end = i * tokens_per_block, (i + 1) * tokens_per_block
+        extra = None if extra_all is None else extra_all[8 * start : 8 * end]
+        mm_parts = [
+            (item.content_hash, max(0, start - item.start), max(0, item.start - start))
+            for item in multimodal
+            if item.start < end and item.start + item.length > start
+        ]
+        parent = _block_digest(
+            parent,
+            token_bytes[i * width : (i + 1) * width],
+            tokens_per_block,
+            extra,
+            lora_task_id,
+            mm_parts,
+            salt if i == 0 else None,
+        )
+        out.append(parent)
+    return out
+
+
+def _extra_bytes(extra_ids: Sequence[int] | None, n_tokens: int) -> bytes | None:
+    if extra_ids is None:
+        return None
+    extra = np.asarray(extra_ids)
+    if extra.shape != (n_tokens,):
+        raise KeyDerivationError(
+            f"extra_ids: expected one id per token ({n_tokens}), got shape {extra.shape}"
+        )
+    if extra.size and (int(extra.min()) < 0 or not np.issubdtype(extra.dtype, np.integer)):
+        raise KeyDerivationError("extra_ids: every id must be a non-negative integer")
+    return extra.astype("<u8", copy=False).tobytes()
+
+
+def _salt_bytes(cache_salt: str | bytes | None) -> bytes | None:
+    if cache_salt is None:
+        return None
+    if isinstance(cache_salt, str):
+        return cache_salt.encode("utf-8")
+    return bytes(cache_salt)
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelIdentity:
+    """Everything that determines the meaning of a block's bytes.
+
+    Every field is required. Use :data:`UNKNOWN` (or ``None``) where a value truly cannot be
+    determined: the fingerprint then fails closed (never shared with another process).
+
+    Attributes:
+        model_id: Model name or path as the operator knows it.
+        weights_revision: Immutable revision of the weights (commit, checksum of the files).
+        dtype: Activation/compute dtype, e.g. ``"bfloat16"``.
+        kv_dtype: KV-cache element dtype, e.g. ``"bfloat16"``, ``"fp8_e4m3"``.
+        quantization: Weight/KV quantization scheme, ``"none"`` if unquantized.
+        tokens_per_block: Tokens per KV block.
+        kv_factor: 2 for K and V, 1 for K-only caches (MLA).
+        block_elems: Elements per block per layer per kv-factor slot.
+        num_layers: Attention layers held in the pool.
+        layout: Attention backend and in-block layout, e.g. ``"trtllm/HND"``.
+        tp_size: Tensor-parallel world size.
+        tp_rank: This shard's rank.
+        format_version: s3kv object/key format version.
+        extra: Further identity inputs as sorted ``(name, value)`` pairs.
+    """
+
+    model_id: str | None
+    weights_revision: str | None
+    dtype: str | None
+    kv_dtype: str | None
+    quantization: str | None
+    tokens_per_block: int
+    kv_factor: int
+    block_elems: int
+    num_layers: int
+    layout: str | None
+    tp_size: int = 1
+    tp_rank: int = 0
+    format_version: int = FORMAT_VERSION
+    extra: tuple[tuple[str, str], ...] = ()
+
+    def __post_init__(self) -> None:
+        for name in ("tokens_per_block", "block_elems", "num_layers", "tp_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise KeyDerivationError(f"ModelIdentity.{name}: must be an int >= 1")
+        if self.kv_factor not in (1, 2):
+            raise KeyDerivationError(
+                f"ModelIdentity.kv_factor: must be 1 or 2, not {self.kv_factor}"
+            )
+        if not 0 <= self.tp_rank < self.tp_size:
+            raise KeyDerivationError(
+                f"ModelIdentity.tp_rank: must be in 0..tp_size-1, got {self.tp_rank}"
+            )
+        for name in ("model_id", "weights_revision", "dtype", "kv_dtype", "quantization", "layout"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value.strip()):
+                raise KeyDerivationError(
+                    f"ModelIdentity.{name}: must be a non-empty string, None or UNKNOWN"
+                )
+        if any(not isinstance(k, str) or not isinstance(v, str) for k, v in self.extra):
+            raise KeyDerivationError("ModelIdentity.extra: must hold (str, str) pairs")
+
+    @property
+    def is_shareable(self) -> bool:
+        """False when some input is unknown: the fingerprint is then unique to this process."""
+        return all(
+            getattr(self, f.name) not in (None, UNKNOWN) for f in fields(self)
+        ) and all(v != UNKNOWN for _, v in self.extra)
+
+    def as_dict(self) -> dict[str, object]:
+        """The identity as JSON-ready data (also written next to the objects for operators)."""
+        data: dict[str, object] = {f.name: getattr(self, f.name) for f in fields(self)}
+        data["extra"] = [list(pair) for pair in sorted(self.extra)]
+        return data
+
+    def fingerprint(self) -> str:
+        """A 32-hex-digit namespace for this identity's objects.
+
+        Stable across processes for a shareable identity; if any input is unknown, it mixes
+        in a per-process random nonce (fail closed) and logs a warning.
+        """
+        data = self.as_dict()
+        if not self.is_shareable:
+            logger.warning(
+                "s3kv: model identity has unknown inputs; using a process-private fingerprint "
+                "(blocks will not be shared with other instances)"
+            )
+            data["nonce"] = _PROCESS_NONCE
+        payload = json.dumps([_FINGERPRINT_DOMAIN, data], sort_keys=True, separators=(",", ":"))
+        return hashlib.sha256(payload.encode("utf-8")).hexdigest()[:32]
+
+
+def _join(prefix: str, *parts: str) -> str:
+    clean = prefix.strip("/")
+    return "/".join((clean, *parts)) if clean else "/".join(parts)
+
+
+def fingerprint_prefix(prefix: str, fingerprint: str) -> str:
+    """The key prefix (ending in ``/``) under which one fingerprint's objects live."""
+    return _join(prefix, fingerprint) + "/"
+
+
+def block_object_key(prefix: str, fingerprint: str, block_hash: BlockHash) -> str:
+    """The object key of a block: ``<prefix>/<fingerprint>/blocks/<hh>/<hash hex>``."""
+    hex_hash = block_hash.hex()
+    return _join(prefix, fingerprint, "blocks", hex_hash[:_SHARD_HEX_DIGITS], hex_hash)
+
+
+def parse_block_object_key(prefix: str, key: str) -> tuple[str, BlockHash] | None:
+    """Inverse of :func:`block_object_key`; ``None`` if ``key`` is not a block key."""
+    base = _join(prefix, "")
+    if not key.startswith(base):
+        return None
+    parts = key[len(base) :].split("/")
+    if len(parts) != 4 or parts[1] != "blocks":
+        return None
+    fingerprint, _, shard, hex_hash = parts
+    if len(hex_hash) != 2 * HASH_BYTES or not hex_hash.startswith(shard):
+        return None
+    try:
+        return fingerprint, BlockHash(bytes.fromhex(hex_hash))
+    except ValueError:
+        return None
+
+
+def manifest_prefix(prefix: str, fingerprint: str) -> str:
+    """The key prefix (ending in ``/``) of one fingerprint's manifest objects."""
+    return _join(prefix, fingerprint, "manifest") + "/"
+
+
+def identity_object_key(prefix: str, fingerprint: str) -> str:
+    """Key of the JSON description of a fingerprint's :class:`ModelIdentity`."""
+    return _join(prefix, fingerprint, "identity.json")

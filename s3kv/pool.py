@@ -1,0 +1,98 @@
+"""The one I/O thread pool: prioritized, owned by the store, inline for tests.
+
+Prefetches (work that makes a *future* request hit) run ahead of saves (work that only pays
+off later), so a burst of saves never delays staging. Admission is bounded by the submitters
+(the store caps queued prefetches by count and saves by bytes), so the queue here cannot grow
+without bound.
+"""
+
+from __future__ import annotations
+
+import enum
+import itertools
+import logging
+import queue
+import threading
+from collections.abc import Callable
+
+logger = logging.getLogger(__name__)
+
+
+class Priority(enum.IntEnum):
+    """Lower runs first."""
+
+    PREFETCH = 0
+    SAVE = 1
+    BACKGROUND = 2
+
+
+_STOP = Priority.BACKGROUND + 1
+
+
+class IOPool:
+    """A fixed set of daemon threads draining a priority queue.
+
+    Args:
+        threads: Worker count; ``0`` runs every task inline in :meth:`submit` (tests).
+        name: Thread name prefix.
+
+    Tasks must not raise; an exception that escapes is logged and swallowed so a worker
+    never dies.
+    """
+
+    def __init__(self, threads: int, *, name: str = "s3kv-io") -> None:
+        self._queue: queue.PriorityQueue[tuple[int, int, Callable[[], None] | None]] = (
+            queue.PriorityQueue()
+        )
+        self._seq = itertools.count()
+        self._closed = False
+        self._threads = [
+            threading.Thread(target=self._run, name=f"{name}-{i}", daemon=True)
+            for i in range(threads)
+        ]
+        for thread in self._threads:
+            thread.start()
+
+    @property
+    def inline(self) -> bool:
+        """True when tasks run synchronously in the submitting thread."""
+        return not self._threads
+
+    def submit(self, priority: Priority, task: Callable[[], None]) -> bool:
+        """Queue ``task``; returns ``False`` (task not run) once the pool is shut down."""
+        if self._closed:
+            return False
+        if self.inline:
+            self._call(task)
+        else:
+            self._queue.put((int(priority), next(self._seq), task))
+        return True
+
+    def shutdown(self, timeout: float | None = None) -> bool:
+        """Stop accepting tasks, let queued ones finish, join workers within ``timeout``.
+
+        Returns:
+            ``True`` if every worker exited in time.
+        """
+        if self._closed:
+            return True
+        self._closed = True
+        for _ in self._threads:
+            self._queue.put((_STOP, next(self._seq), None))
+        for thread in self._threads:
+            thread.join(timeout)
+        return not any(t.is_alive() for t in self._threads)
+
+    def _run(self) -> None:
+        while True:
+            _, _, task = self._queue.get()
+            if task is None:
+                return
+            self._call(task)
+
+    @staticmethod
+    def _call(task: Callable[[], None]) -> None:
+        try:
+            task()
+        except Exception:  # a task bug must not kill the worker thread
+            logger.exception("s3kv: background task failed")

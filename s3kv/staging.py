@@ -1,0 +1,253 @@
+"""Host staging: a bounded LRU cache of decoded, verified blocks, with pins.
+
+A block is *staged* when its raw bytes are in host memory and verified; only staged blocks
+may be claimed (DESIGN.md invariant 1). Entries are pinned while a load needs them, so
+eviction can never pull bytes out from under a claim.
+
+Memory: at most ``budget_bytes`` of host memory, counting live entries, buffers being filled
+(reserved by :meth:`StagingCache.allocate`) and recycled free buffers. With CUDA present the
+buffers are page-locked (pinned) host memory, which makes host→GPU copies ~3× faster and
+asynchronous; allocating pinned memory is slow, so freed buffers are kept for reuse (blocks of
+one model all have the same size).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import numpy as np
+import numpy.typing as npt
+
+from s3kv.keys import BlockHash
+from s3kv.metrics import Metrics
+
+logger = logging.getLogger(__name__)
+
+HostBuffer = npt.NDArray[np.uint8]
+
+
+class HostAllocator(Protocol):
+    """Allocates flat uint8 host buffers."""
+
+    #: True when buffers are page-locked (CUDA pinned) memory.
+    pinned: bool
+
+    def allocate(self, nbytes: int) -> HostBuffer:
+        """A new writable buffer of exactly ``nbytes`` bytes."""
+        ...
+
+
+class NumpyAllocator:
+    """Plain pageable host memory."""
+
+    pinned = False
+
+    def allocate(self, nbytes: int) -> HostBuffer:
+        return np.empty(nbytes, dtype=np.uint8)
+
+
+class TorchPinnedAllocator:
+    """CUDA pinned host memory through torch; the numpy view keeps the tensor alive."""
+
+    pinned = True
+
+    def allocate(self, nbytes: int) -> HostBuffer:
+        import torch
+
+        tensor = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+        # NOTE: Tensor.numpy() shares memory and its array keeps the tensor alive.
+        array: HostBuffer = tensor.numpy()
+        return array
+
+
+def default_allocator() -> HostAllocator:
+    """Pinned memory when torch with CUDA is already imported and usable, else numpy."""
+    import sys
+
+    torch: Any = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_available():
+        return TorchPinnedAllocator()
+    return NumpyAllocator()
+
+
+@dataclass
+class _Entry:
+    buffer: HostBuffer
+    pins: int = 0
+
+
+class StagingCache:
+    """Bounded LRU of staged blocks keyed by :data:`~s3kv.keys.BlockHash`. Thread-safe.
+
+    Args:
+        budget_bytes: Upper bound on host memory held (entries + reservations + free pool).
+        allocator: Where buffers come from (default: :func:`default_allocator`).
+        metrics: Registry for evictions and the occupancy gauges.
+    """
+
+    def __init__(
+        self,
+        budget_bytes: int,
+        *,
+        allocator: HostAllocator | None = None,
+        metrics: Metrics | None = None,
+    ) -> None:
+        self.budget_bytes = budget_bytes
+        self._allocator = allocator or default_allocator()
+        self._metrics = metrics or Metrics()
+        self._entries: OrderedDict[BlockHash, _Entry] = OrderedDict()
+        self._free: dict[int, list[HostBuffer]] = {}
+        self._used = 0  # bytes of entries + reservations + free pool
+        self._lock = threading.Lock()
+
+    @property
+    def pinned_memory(self) -> bool:
+        """Whether buffers are CUDA pinned host memory."""
+        return self._allocator.pinned
+
+    # --- queries (no network, O(blocks)) ---
+
+    def __contains__(self, key: object) -> bool:
+        with self._lock:
+            return key in self._entries
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._entries)
+
+    @property
+    def used_bytes(self) -> int:
+        """Bytes held: entries, reservations and recycled buffers."""
+        with self._lock:
+            return self._used
+
+    def count_leading(self, keys: Sequence[BlockHash]) -> int:
+        """Length of the leading run of ``keys`` that are staged."""
+        with self._lock:
+            for i, key in enumerate(keys):
+                if key not in self._entries:
+                    return i
+            return len(keys)
+
+    def pin_leading(self, keys: Sequence[BlockHash]) -> int:
+        """Pin the leading run of staged ``keys`` atomically; returns how many were pinned.
+
+        Pinned entries are never evicted until :meth:`unpin`. Pinning and counting happen
+        under one lock, so every counted block is guaranteed to stay readable.
+        """
+        with self._lock:
+            count = 0
+            for key in keys:
+                entry = self._entries.get(key)
+                if entry is None:
+                    break
+                entry.pins += 1
+                self._entries.move_to_end(key)
+                count += 1
+            return count
+
+    def unpin(self, keys: Sequence[BlockHash]) -> None:
+        """Release one pin on each of ``keys`` (unknown keys are ignored)."""
+        with self._lock:
+            for key in keys:
+                entry = self._entries.get(key)
+                if entry is not None and entry.pins > 0:
+                    entry.pins -= 1
+
+    def get(self, key: BlockHash) -> HostBuffer | None:
+        """The staged bytes of ``key`` (marks it recently used), or ``None``.
+
+        The caller must hold a pin while it reads the buffer.
+        """
+        with self._lock:
+            entry = self._entries.get(key)
+            if entry is None:
+                return None
+            self._entries.move_to_end(key)
+            return entry.buffer
+
+    # --- filling ---
+
+    def allocate(self, nbytes: int) -> HostBuffer | None:
+        """Reserve a buffer of ``nbytes`` for a block being fetched; ``None`` if no room.
+
+        Makes room by dropping recycled buffers, then evicting least-recently-used unpinned
+        entries. The buffer must end in :meth:`insert` or :meth:`release`.
+        """
+        with self._lock:
+            pool = self._free.get(nbytes)
+            if pool:
+                return pool.pop()
+            if not self._make_room(nbytes):
+                return None
+            self._used += nbytes
+        try:
+            return self._allocator.allocate(nbytes)
+        except (RuntimeError, MemoryError) as exc:
+            logger.warning("s3kv: host allocation of %d bytes failed: %s", nbytes, exc)
+            with self._lock:
+                self._used -= nbytes
+            return None
+
+    def insert(self, key: BlockHash, buffer: HostBuffer) -> None:
+        """Publish a filled, verified buffer as the staged bytes of ``key``."""
+        with self._lock:
+            if key in self._entries:
+                self._recycle(buffer)
+                return
+            self._entries[key] = _Entry(buffer)
+            self._update_gauges()
+
+    def release(self, buffer: HostBuffer) -> None:
+        """Give back a reserved buffer that will not be inserted (failed fetch or decode)."""
+        with self._lock:
+            self._recycle(buffer)
+
+    def remove(self, key: BlockHash) -> bool:
+        """Drop ``key`` unless pinned; returns whether it was removed."""
+        with self._lock:
+            entry = self._entries.get(key)
+            if entry is None or entry.pins:
+                return False
+            del self._entries[key]
+            self._recycle(entry.buffer)
+            self._update_gauges()
+            return True
+
+    # --- internals (lock held) ---
+
+    def _make_room(self, nbytes: int) -> bool:
+        if nbytes > self.budget_bytes:
+            return False
+        while self._used + nbytes > self.budget_bytes:
+            if self._drop_one_free_buffer():
+                continue
+            victim = next((k for k, e in self._entries.items() if e.pins == 0), None)
+            if victim is None:
+                return False
+            entry = self._entries.pop(victim)
+            self._used -= entry.buffer.nbytes
+            self._metrics.inc("staging_evictions")
+        self._update_gauges()
+        return True
+
+    def _drop_one_free_buffer(self) -> bool:
+        for size, pool in self._free.items():
+            if pool:
+                pool.pop()
+                self._used -= size
+                return True
+        return False
+
+    def _recycle(self, buffer: HostBuffer) -> None:
+        # NOTE: recycling matters for pinned memory, whose allocation costs milliseconds.
+        self._free.setdefault(buffer.nbytes, []).append(buffer)
+
+    def _update_gauges(self) -> None:
+        self._metrics.set("staging_bytes", self._used)
+        self._metrics.set("staging_blocks", len(self._entries))

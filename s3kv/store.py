@@ -1,0 +1,472 @@
+"""The store engine: lookup, host staging, background prefetch and save.
+
+Contracts (DESIGN.md invariants):
+
+* :meth:`KVStore.lookup` answers from memory only (staging + manifest Bloom filter): zero
+  network calls, whatever the chain length.
+* Only *staged* blocks — fetched, verified by the codec and decoded into host memory — are
+  reported as ``staged``; a Bloom hit is only ever ``maybe``. :meth:`KVStore.pin_leading`
+  pins what a caller will load so eviction cannot race the copy.
+* Nothing a bucket or an object can do raises out of :meth:`lookup`, :meth:`prefetch`,
+  :meth:`save`, :meth:`flush` or :meth:`close`: failures become counted misses or dropped
+  saves. :meth:`KVStore.open` is the exception: a missing bucket or rejected credentials
+  fail there, loudly, with one line.
+* Everything is bounded: staging bytes, queued prefetches, in-flight save bytes. When saves
+  hit ``max_inflight_save_bytes``, ``save_policy="drop"`` (default) drops the new save and
+  counts it — the engine's forward loop never waits on S3 — while ``"block"`` waits up to
+  ``save_block_timeout`` and then drops.
+
+Threads: one :class:`~s3kv.pool.IOPool` (owned here) runs GET→verify→decode and
+encode→PUT, prefetches first; the manifest has one daemon thread for flush and refresh.
+"""
+
+from __future__ import annotations
+
+import enum
+import functools
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from s3kv import codec
+from s3kv.backend import Backend
+from s3kv.config import S3KVConfig
+from s3kv.errors import CodecError, SizeMismatchError, StorageError
+from s3kv.instrumented import InstrumentedBackend
+from s3kv.keys import BlockHash, ModelIdentity, block_object_key, identity_object_key
+from s3kv.manifest import Manifest
+from s3kv.metrics import Metrics, serve_prometheus
+from s3kv.pool import IOPool, Priority
+from s3kv.staging import HostAllocator, HostBuffer, StagingCache
+
+logger = logging.getLogger(__name__)
+
+_CODECS = {"raw": codec.CodecId.RAW, "zstd": codec.CodecId.ZSTD,
+           "planes-zstd": codec.CodecId.PLANES_ZSTD}  # fmt: skip
+
+
+@dataclass(frozen=True)
+class LookupResult:
+    """Answer of :meth:`KVStore.lookup` for a chain of block keys.
+
+    Attributes:
+        staged: Leading blocks whose verified bytes are in host memory now.
+        maybe: Blocks right after those that the manifest says may exist in the bucket (a
+            prefetch candidate, never a promise).
+    """
+
+    staged: int
+    maybe: int
+
+
+class SaveStatus(enum.Enum):
+    """What :meth:`KVStore.save` did with a block."""
+
+    QUEUED = "queued"
+    SKIPPED = "skipped"  # already written (per manifest) or already being written
+    DROPPED = "dropped"  # back-pressure, or the store is closed
+
+
+class _OncePerKind:
+    """Logs the first failure of each kind at WARNING, the rest at DEBUG."""
+
+    def __init__(self) -> None:
+        self._seen: set[str] = set()
+        self._lock = threading.Lock()
+
+    def __call__(self, what: str, kind: str, exc: BaseException) -> None:
+        with self._lock:
+            first = kind not in self._seen
+            self._seen.add(kind)
+        level = logging.WARNING if first else logging.DEBUG
+        logger.log(level, "s3kv: %s failed (%s): %s", what, kind, exc)
+
+
+class KVStore:
+    """Saves and stages KV blocks of one model fingerprint.
+
+    Build it with :meth:`open`; the constructor takes ready parts (tests inject them).
+
+    Args:
+        backend: Object store (wrapped for metrics unless already instrumented).
+        manifest: The opened manifest of ``fingerprint``.
+        fingerprint: Namespace of every object key.
+        config: Settings (prefix, bounds, codec, policies).
+        metrics: Registry shared with the manifest and staging.
+        allocator: Staging buffer allocator (pinned host memory under CUDA by default).
+        pool: I/O pool; default ``config.io_threads`` threads (pass ``IOPool(0)`` for inline).
+        block_nbytes: Raw size every block must have, if known (checked on decode).
+    """
+
+    def __init__(
+        self,
+        *,
+        backend: Backend,
+        manifest: Manifest,
+        fingerprint: str,
+        config: S3KVConfig,
+        metrics: Metrics | None = None,
+        allocator: HostAllocator | None = None,
+        pool: IOPool | None = None,
+        block_nbytes: int | None = None,
+    ) -> None:
+        self.metrics = metrics or Metrics()
+        self.backend = (
+            backend
+            if isinstance(backend, InstrumentedBackend)
+            else InstrumentedBackend(backend, self.metrics)
+        )
+        self.manifest = manifest
+        self.fingerprint = fingerprint
+        self.config = config
+        self.block_nbytes = block_nbytes
+        self.staging = StagingCache(config.staging_bytes, allocator=allocator, metrics=self.metrics)
+        self._pool = pool if pool is not None else IOPool(config.io_threads)
+        self._codec = _CODECS[config.codec]
+        self._lock = threading.Lock()
+        self._save_space = threading.Condition(self._lock)
+        self._fetching: dict[BlockHash, threading.Event] = {}
+        self._saving: set[BlockHash] = set()
+        self._inflight_save_bytes = 0
+        self._closed = False
+        self._log_failure = _OncePerKind()
+
+    # --- construction ---
+
+    @classmethod
+    def open(
+        cls,
+        config: S3KVConfig,
+        identity: ModelIdentity,
+        *,
+        backend: Backend | None = None,
+        allocator: HostAllocator | None = None,
+        pool: IOPool | None = None,
+        start_background: bool = True,
+    ) -> KVStore:
+        """Connect, check the bucket, load the manifest and start background work.
+
+        Raises:
+            ConfigError: no bucket configured for S3.
+            BucketNotFoundError, AccessDeniedError, EndpointError: one clear line each.
+        """
+        metrics = Metrics()
+        if backend is None:
+            from s3kv.backend_s3 import S3Backend
+
+            backend = S3Backend.from_config(config)
+        instrumented = InstrumentedBackend(backend, metrics)
+        instrumented.check()
+        fingerprint = identity.fingerprint()
+        identity_key = identity_object_key(config.key_prefix, fingerprint)
+        if instrumented.head(identity_key) is None:
+            import json
+
+            payload = json.dumps(identity.as_dict(), indent=2, sort_keys=True).encode()
+            instrumented.put(identity_key, payload, if_absent=True)
+        manifest = Manifest.open(
+            instrumented,
+            config.key_prefix,
+            fingerprint,
+            capacity=config.bloom_capacity,
+            fpr=config.bloom_fpr,
+            instance_id=config.instance_id or None,
+        )
+        block_nbytes = (
+            identity.num_layers * identity.kv_factor * identity.block_elems
+            * codec.DType(identity.kv_dtype).itemsize
+            if identity.kv_dtype in {d.value for d in codec.DType}
+            else None
+        )  # fmt: skip
+        store = cls(
+            backend=instrumented,
+            manifest=manifest,
+            fingerprint=fingerprint,
+            config=config,
+            metrics=metrics,
+            allocator=allocator,
+            pool=pool,
+            block_nbytes=block_nbytes,
+        )
+        if start_background:
+            manifest.start(
+                refresh_interval=config.manifest_refresh_interval,
+                flush_interval=config.manifest_flush_interval,
+                flush_keys=config.manifest_flush_keys,
+            )
+        if config.metrics_port:
+            serve_prometheus(metrics, config.metrics_port)
+        logger.info(
+            "s3kv: opened %s fingerprint %s (%d manifest requests)",
+            instrumented.description, fingerprint, instrumented.requests(),
+        )  # fmt: skip
+        return store
+
+    def object_key(self, key: BlockHash) -> str:
+        """The object key a block is stored under."""
+        return block_object_key(self.config.key_prefix, self.fingerprint, key)
+
+    # --- the scheduler's path: memory only ---
+
+    def lookup(self, keys: Sequence[BlockHash]) -> LookupResult:
+        """How many leading blocks are staged, and how many more may exist. No network."""
+        staged = self.staging.count_leading(keys)
+        rest = keys[staged:]
+        maybe = self.manifest.count_leading(rest) if rest else 0
+        self.metrics.inc("lookup_calls")
+        self.metrics.inc("lookup_blocks_staged", staged)
+        self.metrics.inc("lookup_blocks_maybe", maybe)
+        return LookupResult(staged=staged, maybe=maybe)
+
+    def pin_leading(self, keys: Sequence[BlockHash]) -> int:
+        """Pin the leading staged run of ``keys`` (never evicted until :meth:`unpin`)."""
+        return self.staging.pin_leading(keys)
+
+    def unpin(self, keys: Sequence[BlockHash]) -> None:
+        """Release pins taken by :meth:`pin_leading`."""
+        self.staging.unpin(keys)
+
+    def staged(self, key: BlockHash) -> HostBuffer | None:
+        """The staged raw bytes of ``key`` (hold a pin while reading), or ``None``."""
+        return self.staging.get(key)
+
+    def record_hits(self, keys: Sequence[BlockHash]) -> None:
+        """Note that ``keys`` served a request (usage for prune and warm start)."""
+        if keys:
+            self.manifest.record_hits(list(keys))
+
+    # --- prefetch: GET → verify → decode into staging ---
+
+    def prefetch(self, keys: Sequence[BlockHash]) -> int:
+        """Fetch ``keys`` into staging in the background, in order; returns how many queued.
+
+        Keys already staged or being fetched are skipped; once ``max_prefetch_queue``
+        fetches are outstanding the rest are dropped (counted).
+        """
+        scheduled = 0
+        for key in keys:
+            with self._lock:
+                if self._closed:
+                    break
+                if key in self._fetching or key in self.staging:
+                    continue
+                if len(self._fetching) >= self.config.max_prefetch_queue:
+                    self.metrics.inc("prefetch_dropped", len(keys) - scheduled)
+                    break
+                self._fetching[key] = threading.Event()
+            self.metrics.inc("prefetch_scheduled")
+            self._pool.submit(Priority.PREFETCH, functools.partial(self._fetch, key))
+            scheduled += 1
+        return scheduled
+
+    def wait_staged(self, keys: Sequence[BlockHash], timeout: float | None = None) -> int:
+        """Wait for outstanding fetches of ``keys``; returns the leading staged count."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        for key in keys:
+            with self._lock:
+                event = self._fetching.get(key)
+            if event is not None:
+                remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
+                if not event.wait(remaining):
+                    break
+        return self.staging.count_leading(keys)
+
+    def _fetch(self, key: BlockHash) -> None:
+        object_key = self.object_key(key)
+        try:
+            blob = self.backend.get(object_key)
+            if blob is None:
+                self.metrics.inc("prefetch_not_found")
+                return
+            header = codec.read_header(blob)
+            if self.block_nbytes is not None and header.raw_len != self.block_nbytes:
+                raise SizeMismatchError(
+                    f"object holds {header.raw_len} raw bytes; the model's block is "
+                    f"{self.block_nbytes}"
+                )
+            buffer = self.staging.allocate(header.raw_len)
+            if buffer is None:
+                self.metrics.inc("prefetch_no_room")
+                return
+            try:
+                codec.decode(blob, key=object_key, out=buffer.data)
+            except CodecError:
+                self.staging.release(buffer)
+                raise
+            self.staging.insert(key, buffer)
+            self.metrics.inc("prefetch_staged")
+            self.metrics.inc("stage_raw_bytes", header.raw_len)
+            self.metrics.inc("stage_stored_bytes", len(blob))
+        except CodecError as exc:
+            self.metrics.inc("corrupt_objects", kind=exc.kind)
+            self.metrics.inc("prefetch_failed")
+            self._log_failure(f"verifying {object_key}", exc.kind, exc)
+        except StorageError as exc:
+            self.metrics.inc("prefetch_failed")
+            self._log_failure("prefetch", exc.kind, exc)
+        finally:
+            with self._lock:
+                event = self._fetching.pop(key, None)
+            if event is not None:
+                event.set()
+
+    # --- save: encode → PUT → manifest ---
+
+    def save(
+        self,
+        key: BlockHash,
+        parent: BlockHash,
+        data: HostBuffer | bytes | memoryview,
+        *,
+        dtype: codec.DType | str,
+        shape: tuple[int, ...],
+        on_consumed: Callable[[], None] | None = None,
+    ) -> SaveStatus:
+        """Write one block in the background, once.
+
+        Args:
+            key: The block's hash.
+            parent: Its chain parent (``ROOT_HASH`` for a first block); kept in the manifest
+                so warm start can rebuild chains.
+            data: Raw block bytes; must stay unmodified until ``on_consumed`` is called.
+            dtype: Element dtype of ``data``.
+            shape: Logical shape (recorded in the object header).
+            on_consumed: Called (from a pool thread) once ``data`` is no longer needed; also
+                called at once when the save is skipped or dropped.
+
+        Returns:
+            What happened; never raises for storage trouble.
+        """
+        nbytes = data.nbytes if isinstance(data, np.ndarray) else len(memoryview(data).cast("B"))
+        status = self._admit_save(key, nbytes)
+        if status is not SaveStatus.QUEUED:
+            if on_consumed is not None:
+                on_consumed()
+            return status
+        self.metrics.inc("save_submitted")
+        dtype_enum = codec.DType(dtype)
+
+        def task() -> None:
+            self._write(key, parent, data, dtype_enum, shape, nbytes, on_consumed)
+
+        if not self._pool.submit(Priority.SAVE, task):
+            self._finish_save(key, nbytes)
+            if on_consumed is not None:
+                on_consumed()
+            return SaveStatus.DROPPED
+        return SaveStatus.QUEUED
+
+    def _admit_save(self, key: BlockHash, nbytes: int) -> SaveStatus:
+        with self._lock:
+            if self._closed:
+                return SaveStatus.DROPPED
+            if key in self._saving or self.manifest.may_contain(key):
+                self.metrics.inc("save_skipped_existing")
+                return SaveStatus.SKIPPED
+            limit = self.config.max_inflight_save_bytes
+            if self._inflight_save_bytes + nbytes > limit and self._inflight_save_bytes > 0:
+                if self.config.save_policy == "drop" or not self._save_space.wait_for(
+                    lambda: self._inflight_save_bytes + nbytes <= limit or self._closed,
+                    timeout=self.config.save_block_timeout,
+                ):
+                    self.metrics.inc("save_dropped")
+                    return SaveStatus.DROPPED
+                if self._closed:
+                    return SaveStatus.DROPPED
+            self._saving.add(key)
+            self._inflight_save_bytes += nbytes
+            self.metrics.set("inflight_save_bytes", self._inflight_save_bytes)
+            return SaveStatus.QUEUED
+
+    def _write(
+        self,
+        key: BlockHash,
+        parent: BlockHash,
+        data: HostBuffer | bytes | memoryview,
+        dtype: codec.DType,
+        shape: tuple[int, ...],
+        nbytes: int,
+        on_consumed: Callable[[], None] | None,
+    ) -> None:
+        object_key = self.object_key(key)
+        written = False
+        try:
+            try:
+                blob = codec.encode(
+                    data, key=object_key, dtype=dtype, shape=shape,
+                    codec=self._codec, level=self.config.compression_level,
+                )  # fmt: skip
+            finally:
+                if on_consumed is not None:
+                    on_consumed()
+            conditional = self.backend.capabilities.conditional_put
+            written = self.backend.put(object_key, blob, if_absent=conditional)
+            # A refused conditional PUT means another instance wrote the same bytes: the key
+            # exists either way, so the manifest records it as written.
+            self.manifest.record_write(key, parent, len(blob))
+            if written:
+                self.metrics.inc("save_completed")
+                self.metrics.inc("save_raw_bytes", nbytes)
+                self.metrics.inc("save_stored_bytes", len(blob))
+            else:
+                self.metrics.inc("save_skipped_existing")
+        except (StorageError, CodecError) as exc:
+            self.metrics.inc("save_failed")
+            self._log_failure("save", exc.kind, exc)
+        finally:
+            self._finish_save(key, nbytes)
+
+    def _finish_save(self, key: BlockHash, nbytes: int) -> None:
+        with self._lock:
+            self._saving.discard(key)
+            self._inflight_save_bytes -= nbytes
+            self.metrics.set("inflight_save_bytes", self._inflight_save_bytes)
+            self._save_space.notify_all()
+
+    # --- lifecycle ---
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait for queued saves, then write the manifest segment; ``True`` if all done."""
+        with self._lock:
+            drained = self._save_space.wait_for(
+                lambda: self._inflight_save_bytes == 0, timeout=timeout
+            )
+        self.manifest.flush()
+        return drained
+
+    def close(self, timeout: float | None = None) -> bool:
+        """Drain saves within ``timeout`` (default ``close_timeout``), flush, stop threads.
+
+        Saves still running at the deadline are abandoned (counted as never completed).
+        Returns ``True`` if everything drained in time. Idempotent.
+        """
+        with self._lock:
+            if self._closed:
+                return True
+        deadline = time.monotonic() + (self.config.close_timeout if timeout is None else timeout)
+        drained = self.flush(timeout=max(0.0, deadline - time.monotonic()))
+        with self._lock:
+            self._closed = True
+            self._save_space.notify_all()
+        pool_done = self._pool.shutdown(timeout=max(0.0, deadline - time.monotonic()))
+        self.manifest.close(flush=True, timeout=max(0.0, deadline - time.monotonic()))
+        if not (drained and pool_done):
+            logger.warning("s3kv: close deadline passed with saves still in flight")
+        return drained and pool_done
+
+    def stats(self) -> dict[str, float]:
+        """Every counter and gauge, plus the manifest's, keyed by name."""
+        values = self.metrics.snapshot()
+        for name, value in self.manifest.stats().items():
+            values[f"manifest_{name}"] = value
+        return values
+
+    def __enter__(self) -> KVStore:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
