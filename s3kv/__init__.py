@@ -4,6 +4,8 @@ Importing this package imports neither torch, boto3 nor tensorrt_llm; each is im
 by the module that needs it, when it is used.
 """
 
+from typing import TYPE_CHECKING
+
 from s3kv.backend import Backend, Capabilities, DeleteResult, MemoryBackend, ObjectInfo
 from s3kv.config import S3KVConfig
 from s3kv.errors import (
@@ -16,8 +18,6 @@ from s3kv.errors import (
     S3KVError,
     StorageError,
 )
-from typing import TYPE_CHECKING
-
 from s3kv.keys import (
     ROOT_HASH,
     UNKNOWN,

@@ -1,0 +1,205 @@
+"""Manifest startup cost and the scheduler's lookup, on an in-memory backend. JSON lines.
+
+* ``manifest.startup_requests_1m`` / ``_10k``: requests ``Manifest.open`` issues for a
+  manifest holding 1M / 10k keys (a compacted snapshot plus 2 newer segments). Equal values
+  show that startup does not grow with the key count.
+* ``manifest.startup_ms_1m`` / ``_10k``: median wall time of ``Manifest.open`` (Bloom filter
+  sized for the key count at 1e-6: 3.6 MB for 1M). The backend is in memory, so this is the
+  client-side cost (decode + verify); add one round trip per request for a real bucket.
+* ``manifest.startup_ms_10m_filter``: the same for a 10M-key filter (36 MB).
+* ``lookup.us_32k_tokens``: median µs of ``Manifest.count_leading`` over a 1000-key chain
+  (32K tokens at 32 tokens per block), all present (the worst case), against a filter
+  holding 10M keys at 1e-6, built with ``add_many``.
+* ``lookup.requests``: requests issued during those lookups (must be 0).
+
+Usage: ``python benchmarks/bench_manifest.py [--quick]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import numpy as np
+
+from s3kv.backend import Backend, Capabilities, DeleteResult, MemoryBackend, ObjectInfo
+from s3kv.bloom import BloomFilter
+from s3kv.keys import ROOT_HASH, manifest_prefix
+from s3kv.manifest import Manifest, compact
+from s3kv.manifest_format import (
+    CURRENT_NAME,
+    KIND_WRITE,
+    RECORD_DTYPE,
+    Current,
+    encode_records,
+    segment_name,
+    snapshot_paths,
+)
+
+PREFIX, FP = "bench", "fp-bench"
+FPR = 1e-6
+T0 = 1_700_000_000.0
+CHAIN_BLOCKS = 1000  # 32K tokens at 32 tokens per block
+SEGMENT_RECORDS = 100_000
+
+
+def emit(metric: str, value: float, unit: str, **extra: Any) -> None:
+    print(json.dumps({"metric": metric, "value": round(value, 3), "unit": unit, **extra}))
+    sys.stdout.flush()
+
+
+class CountingBackend(Backend):
+    """Delegates to ``inner`` and counts every request."""
+
+    def __init__(self, inner: Backend) -> None:
+        self.inner = inner
+        self.requests = 0
+
+    @property
+    def capabilities(self) -> Capabilities:
+        return self.inner.capabilities
+
+    @property
+    def description(self) -> str:
+        return "counting " + self.inner.description
+
+    def get(self, key: str) -> bytes | None:
+        self.requests += 1
+        return self.inner.get(key)
+
+    def put(self, key: str, data: bytes | memoryview, *, if_absent: bool = False) -> bool:
+        self.requests += 1
+        return self.inner.put(key, data, if_absent=if_absent)
+
+    def head(self, key: str) -> ObjectInfo | None:
+        self.requests += 1
+        return self.inner.head(key)
+
+    def delete_many(self, keys: Iterable[str]) -> DeleteResult:
+        self.requests += 1
+        return self.inner.delete_many(keys)
+
+    def list(self, prefix: str, *, start_after: str | None = None) -> Iterator[ObjectInfo]:
+        self.requests += 1
+        return self.inner.list(prefix, start_after=start_after)
+
+
+def put_segment(backend: Backend, keys: np.ndarray, time_s: float, seq: int) -> None:
+    records = np.zeros(len(keys), RECORD_DTYPE)
+    records["key"], records["parent"], records["time"] = keys, ROOT_HASH, time_s
+    records["size"], records["kind"], records["count"] = 4 << 20, KIND_WRITE, 1
+    name = segment_name(round(time_s * 1000), "bench", seq)
+    backend.put(manifest_prefix(PREFIX, FP) + "segments/" + name, encode_records(records))
+
+
+def build_manifest(n_keys: int, rng: np.random.Generator) -> tuple[MemoryBackend, np.ndarray]:
+    """A bucket whose manifest holds ``n_keys`` in a snapshot plus 2 newer small segments."""
+    backend = MemoryBackend()
+    keys = np.frombuffer(rng.bytes(16 * (n_keys + 200)), dtype="V16")
+    for seq, start in enumerate(range(0, n_keys, SEGMENT_RECORDS)):
+        put_segment(backend, keys[start : min(n_keys, start + SEGMENT_RECORDS)], T0, seq)
+    report = compact(backend, PREFIX, FP, capacity=n_keys, fpr=FPR, clock=lambda: T0 + 1)
+    assert report.keys == n_keys, report
+    put_segment(backend, keys[n_keys : n_keys + 100], T0 + 2, 10_000)
+    put_segment(backend, keys[n_keys + 100 :], T0 + 3, 10_001)
+    return backend, keys
+
+
+def bench_startup(label: str, n_keys: int, repeats: int, rng: np.random.Generator) -> None:
+    backend, keys = build_manifest(n_keys, rng)
+    counting = CountingBackend(backend)
+    times = []
+    requests = set()
+    for _ in range(repeats):
+        before = counting.requests
+        started = time.perf_counter()
+        manifest = Manifest.open(counting, PREFIX, FP, capacity=n_keys, fpr=FPR,
+                                 clock=lambda: T0 + 4)  # fmt: skip
+        times.append(time.perf_counter() - started)
+        requests.add(counting.requests - before)
+        assert manifest.open_requests == counting.requests - before
+    sample = [bytes(k) for k in keys[:: max(1, len(keys) // 1000)]]
+    assert manifest.count_leading(sample) == len(sample), "startup lost keys"
+    assert len(requests) == 1, requests
+    emit(f"manifest.startup_requests_{label}", requests.pop(), "requests", keys=n_keys)
+    emit(f"manifest.startup_ms_{label}", statistics.median(times) * 1e3, "ms", keys=n_keys,
+         bloom_mb=round(manifest.stats()["bloom_bytes"] / 1e6, 2))  # fmt: skip
+
+
+def build_10m_filter(rng: np.random.Generator, chain: list[bytes]) -> BloomFilter:
+    bloom = BloomFilter.for_capacity(10_000_000, FPR)
+    chunk = 1_000_000
+    for _ in range(10):
+        data = rng.bytes(16 * chunk)
+        bloom.add_many([data[i : i + 16] for i in range(0, len(data), 16)])
+    bloom.add_many(chain)
+    return bloom
+
+
+def bench_lookup(lookups: int, rng: np.random.Generator) -> None:
+    chain = [bytes(k) for k in np.frombuffer(rng.bytes(16 * CHAIN_BLOCKS), dtype="V16")]
+    started = time.perf_counter()
+    bloom = build_10m_filter(rng, chain)
+    build_s = time.perf_counter() - started
+    # Publish the filter as a snapshot and open it like an instance would.
+    backend = MemoryBackend()
+    root = manifest_prefix(PREFIX, FP)
+    bloom_path, usage_path = snapshot_paths(1)
+    backend.put(root + bloom_path, bloom.to_bytes())
+    pointer = Current(generation=1, bloom=bloom_path, usage=usage_path, keys=10_000_000,
+                      watermark="", created_at=T0)  # fmt: skip
+    backend.put(root + CURRENT_NAME, pointer.to_json())
+    del bloom
+    counting = CountingBackend(backend)
+    started = time.perf_counter()
+    manifest = Manifest.open(counting, PREFIX, FP, capacity=10_000_000, fpr=FPR)
+    open_ms = (time.perf_counter() - started) * 1e3
+    emit("manifest.startup_ms_10m_filter", open_ms, "ms", bloom_mb=36,
+         requests=manifest.open_requests)  # fmt: skip
+
+    before = counting.requests
+    assert manifest.count_leading(chain) == CHAIN_BLOCKS
+    times = []
+    for _ in range(lookups):
+        t0 = time.perf_counter()
+        manifest.count_leading(chain)
+        times.append(time.perf_counter() - t0)
+    absent = [bytes(16), *chain[1:]]
+    absent_times = []
+    for _ in range(max(50, lookups // 4)):
+        t0 = time.perf_counter()
+        manifest.count_leading(absent)
+        absent_times.append(time.perf_counter() - t0)
+    single = []
+    for key in chain[:200]:
+        t0 = time.perf_counter()
+        manifest.may_contain(key)
+        single.append(time.perf_counter() - t0)
+    times_us = np.array(times) * 1e6
+    emit("lookup.us_32k_tokens", float(np.median(times_us)), "us", blocks=CHAIN_BLOCKS,
+         filter_keys=10_000_000, fpr=FPR, p90_us=round(float(np.percentile(times_us, 90)), 1),
+         first_absent_us=round(statistics.median(absent_times) * 1e6, 1),
+         single_key_us=round(statistics.median(single) * 1e6, 2),
+         filter_build_s=round(build_s, 1), lookups=lookups)  # fmt: skip
+    emit("lookup.requests", counting.requests - before, "requests", lookups=lookups)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--quick", action="store_true", help="fewer repetitions")
+    args = parser.parse_args()
+    rng = np.random.default_rng(2024)
+    repeats = 3 if args.quick else 7
+    bench_startup("10k", 10_000, repeats, rng)
+    bench_startup("1m", 1_000_000, repeats, rng)
+    bench_lookup(200 if args.quick else 1000, rng)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

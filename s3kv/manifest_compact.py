@@ -1,0 +1,412 @@
+"""Reading the manifest layout, compaction and usage loading (the offline side of the manifest).
+
+:class:`ManifestIO` is the one place that issues manifest requests, and counts them.
+:func:`compact` folds segments into a new snapshot generation; :func:`load_usage` folds the
+current snapshot and the segments newer than it in memory. Both are used by the CLI
+(``s3kv compact``/``prune``) and warm start; :class:`s3kv.manifest.Manifest` uses the
+readers for its startup and refresh.
+
+Concurrent compactors: each writes its snapshot objects with conditional PUTs under a new
+generation number and re-reads ``CURRENT`` just before replacing it, so where the server
+supports conditional PUT the loser notices and stops before writing ``CURRENT`` or deleting
+anything. Where it does not, or in the window between that re-read and the PUT, the last
+``CURRENT`` wins and the other compactor's deletions may remove segments that the winner did
+not fold. Either way the damage is bounded to *manifest entries* — keys the Bloom filter no
+longer knows — which costs future misses (and re-saves), never wrong data: the manifest only
+ever decides what to try to GET or skip re-writing, and every GET is verified.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Collection, Iterable, Iterator
+from dataclasses import dataclass
+
+import numpy as np
+
+from s3kv.backend import DELETE_BATCH, Backend
+from s3kv.bloom import BloomFilter
+from s3kv.errors import CodecError, StorageError
+from s3kv.keys import manifest_prefix
+from s3kv.manifest_format import (
+    CURRENT_NAME,
+    RECORD_DTYPE,
+    SEGMENTS_DIR,
+    SNAPSHOTS_DIR,
+    USAGE_DTYPE,
+    Current,
+    Records,
+    decode_records,
+    decode_usage,
+    encode_usage,
+    segment_time_ms,
+    segments_start_after,
+    snapshot_generation,
+    snapshot_paths,
+)
+from s3kv.manifest_usage import UsageTable, fold, remove_keys
+
+__all__ = ["CompactionReport", "ManifestIO", "compact", "load_usage"]
+
+logger = logging.getLogger(__name__)
+
+_LIST_PAGE = 1000
+
+
+class ManifestIO:
+    """Counted access to one fingerprint's manifest objects.
+
+    Every method may raise :class:`~s3kv.errors.StorageError` from the backend; decoding
+    methods also raise :class:`~s3kv.errors.CodecError`.
+
+    Args:
+        backend: The bucket.
+        prefix: The configured key prefix.
+        fingerprint: The model fingerprint.
+    """
+
+    def __init__(self, backend: Backend, prefix: str, fingerprint: str) -> None:
+        self.backend = backend
+        self.root = manifest_prefix(prefix, fingerprint)
+        self._requests = 0
+        self._lock = threading.Lock()
+
+    @property
+    def requests(self) -> int:
+        """Requests issued so far (a listing counts one per page of 1000 keys)."""
+        return self._requests
+
+    def _count(self, n: int = 1) -> None:
+        with self._lock:
+            self._requests += n
+
+    def get(self, path: str) -> bytes | None:
+        """The object at ``path`` (relative to the manifest prefix), or ``None``."""
+        self._count()
+        return self.backend.get(self.root + path)
+
+    def put(self, path: str, data: bytes, *, if_absent: bool = False) -> bool:
+        """PUT ``data`` at ``path``; ``False`` only when ``if_absent`` found it present."""
+        self._count()
+        return self.backend.put(self.root + path, data, if_absent=if_absent)
+
+    def delete(self, paths: Collection[str]) -> int:
+        """Delete ``paths``; returns how many the server reported deleted."""
+        if not paths:
+            return 0
+        self._count(-(-len(paths) // DELETE_BATCH))
+        result = self.backend.delete_many([self.root + path for path in paths])
+        for key, reason in list(result.failed.items())[:3]:
+            logger.warning("s3kv manifest: could not delete %s: %s", key, reason)
+        return len(result.deleted)
+
+    def list_dir(self, directory: str, start_after: str | None = None) -> Iterator[tuple[str, int]]:
+        """``(name relative to directory, size)`` of the objects under ``directory``."""
+        base = self.root + directory
+        self._count()
+        after = None if start_after is None else base + start_after
+        for seen, info in enumerate(self.backend.list(base, start_after=after), start=1):
+            if seen % _LIST_PAGE == 0:
+                self._count()
+            yield info.key[len(base) :], info.size
+
+    def read_current(self) -> Current | None:
+        """The ``CURRENT`` pointer, or ``None`` if no compaction ever ran.
+
+        Raises:
+            CodecError: ``CURRENT`` exists but is not a valid pointer.
+        """
+        data = self.get(CURRENT_NAME)
+        return None if data is None else Current.from_json(data)
+
+    def segments(self, cutoff_ms: int, skip: Collection[str] = ()) -> list[tuple[str, int]]:
+        """``(name, time ms)`` of segments created at or after ``cutoff_ms``, minus ``skip``.
+
+        One listing request per 1000 names, starting at the cutoff (never the whole history).
+        """
+        found: list[tuple[str, int]] = []
+        for name, _size in self.list_dir(SEGMENTS_DIR, segments_start_after(cutoff_ms)):
+            time_ms = segment_time_ms(name)
+            if time_ms is not None and name not in skip:
+                found.append((name, time_ms))
+        return found
+
+    def read_segment(self, name: str) -> Records | None:
+        """The verified records of segment ``name``; ``None`` if it is gone (compacted)."""
+        data = self.get(SEGMENTS_DIR + name)
+        return None if data is None else decode_records(data)
+
+    def read_usage(self, current: Current) -> Records:
+        """The usage table of ``current``'s snapshot.
+
+        Raises:
+            CodecError: missing or corrupt.
+        """
+        data = self.get(current.usage)
+        if data is None:
+            raise CodecError(f"usage: {current.usage} is missing (CURRENT is stale?)")
+        return decode_usage(data)
+
+
+@dataclass(frozen=True)
+class CompactionReport:
+    """What :func:`compact` did.
+
+    Attributes:
+        generation: The generation written (or attempted, when ``lost_race``).
+        keys: Live keys in the new snapshot.
+        records_folded: Segment records folded in.
+        segments_folded: Segments folded in.
+        segments_corrupt: Segments skipped as corrupt (deleted like folded ones).
+        segments_deferred: Segments named too far in the future (clock skew), left for later.
+        segments_deleted: Folded segments deleted (older than the grace window).
+        snapshots_deleted: Objects of generations older than the previous one deleted.
+        keys_dropped: Live keys removed because they were in ``drop_keys``.
+        listing_keys: Keys passed from a full listing.
+        bloom_bytes: Size of ``bloom.bin``.
+        usage_bytes: Size of ``usage.bin``.
+        over_capacity: More live keys than the filter's capacity (raise ``bloom_capacity``).
+        lost_race: Another compactor moved ``CURRENT`` first; nothing was replaced or deleted.
+        requests: Requests issued.
+    """
+
+    generation: int
+    keys: int
+    records_folded: int
+    segments_folded: int
+    segments_corrupt: int
+    segments_deferred: int
+    segments_deleted: int
+    snapshots_deleted: int
+    keys_dropped: int
+    listing_keys: int
+    bloom_bytes: int
+    usage_bytes: int
+    over_capacity: bool
+    lost_race: bool
+    requests: int
+
+
+def _read_segments(
+    io: ManifestIO, names: Iterable[str]
+) -> tuple[list[Records], list[str], list[str]]:
+    """(records, names read, names corrupt); a segment that vanished is neither."""
+    batches: list[Records] = []
+    read: list[str] = []
+    corrupt: list[str] = []
+    for name in names:
+        try:
+            records = io.read_segment(name)
+        except CodecError as exc:
+            logger.warning("s3kv manifest: skipping corrupt segment %s (%s)", name, exc.kind)
+            corrupt.append(name)
+            continue
+        if records is not None:
+            batches.append(records)
+            read.append(name)
+    return batches, read, corrupt
+
+
+def _concat(batches: list[Records]) -> Records:
+    return np.concatenate(batches) if batches else np.zeros(0, RECORD_DTYPE)
+
+
+def load_usage(backend: Backend, prefix: str, fingerprint: str) -> UsageTable:
+    """The current snapshot's usage with the segments newer than it folded in (in memory).
+
+    Corrupt segments are skipped and counted in :attr:`UsageTable.segments_corrupt`.
+
+    Raises:
+        StorageError: the bucket failed.
+        CodecError: ``CURRENT`` or the snapshot's usage table is corrupt or missing.
+    """
+    io = ManifestIO(backend, prefix, fingerprint)
+    current = io.read_current()
+    if current is None:
+        usage, cutoff, skip = np.zeros(0, USAGE_DTYPE), 0, frozenset[str]()
+    else:
+        usage, cutoff, skip = (
+            io.read_usage(current),
+            current.listing_cutoff_ms,
+            frozenset(current.folded),
+        )
+    names = [name for name, _ in io.segments(cutoff, skip)]
+    batches, read, corrupt = _read_segments(io, names)
+    return UsageTable(
+        fold(usage, _concat(batches)),
+        generation=0 if current is None else current.generation,
+        segments_read=len(read),
+        segments_corrupt=len(corrupt),
+    )
+
+
+def compact(
+    backend: Backend,
+    prefix: str,
+    fingerprint: str,
+    *,
+    capacity: int,
+    fpr: float,
+    clock: Callable[[], float] = time.time,
+    grace_s: float = 600.0,
+    drop_keys: Collection[bytes] = (),
+    full_listing_keys: Iterable[tuple[bytes, int, float]] | None = None,
+) -> CompactionReport:
+    """Fold every segment into a new snapshot generation, then delete what it supersedes.
+
+    Steps: read ``CURRENT`` and its usage table; list all segments; fold those not yet
+    folded (plus ``full_listing_keys``, minus ``drop_keys``); write ``bloom.bin`` and
+    ``usage.bin`` of generation N+1 (conditional PUTs), re-check ``CURRENT``, write it; then
+    delete folded segments older than the new watermark's grace window and snapshot
+    generations older than the previous one. Folded segments within the window stay (named
+    in ``CURRENT.folded``) because readers list from ``watermark time - grace_s``: a segment
+    whose writer's clock lags, or whose PUT landed late, by less than ``grace_s`` is
+    therefore still seen by readers and by the next compaction. Segments named more than
+    ``grace_s / 2`` in the future (by this clock) are deferred, so a wild clock cannot push
+    the watermark ahead of everyone else's segments.
+
+    Args:
+        backend: The bucket.
+        prefix: The configured key prefix.
+        fingerprint: The model fingerprint.
+        capacity: Keys the new Bloom filter is sized for.
+        fpr: Its false-positive rate at capacity.
+        clock: Epoch seconds (injectable for tests).
+        grace_s: Window for clock skew and late segment PUTs.
+        drop_keys: Keys to remove (``prune`` passes the keys it deleted).
+        full_listing_keys: ``(key, size, last_modified)`` of every block object, from a full
+            bucket listing (``s3kv compact --full``); ``None`` to trust the manifest.
+
+    Raises:
+        StorageError: the bucket failed before ``CURRENT`` was replaced (nothing changed).
+        CodecError: ``CURRENT`` or the current usage table is corrupt and no full listing
+            was given to rebuild from.
+    """
+    io = ManifestIO(backend, prefix, fingerprint)
+    now_ms = round(clock() * 1000)
+    listing = None if full_listing_keys is None else list(full_listing_keys)
+    snapshots = _snapshot_objects(io)
+    raw_current, current, usage = _read_base(io, rebuild=listing is not None)
+    generation = max([current.generation if current else 0, *snapshots]) + 1
+    folded_before, to_fold, deferred = _classify(io, current, now_ms + round(grace_s * 500))
+    batches, read, corrupt = _read_segments(io, to_fold)
+    records = _concat(batches)
+    folded_rows = fold(usage, records, listing=listing or ())
+    rows = remove_keys(folded_rows, drop_keys)
+
+    bloom = BloomFilter.for_capacity(capacity, fpr)
+    bloom.add_array(rows["key"])
+    bloom_blob, usage_blob = bloom.to_bytes(), encode_usage(rows)
+    watermark = max([current.watermark if current else "", *read, *corrupt])
+    cutoff = max(0, (segment_time_ms(watermark) or 0) - round(grace_s * 1000))
+    every_folded = {*folded_before, *read, *corrupt}
+    bloom_path, usage_path = snapshot_paths(generation)
+    pointer = Current(
+        generation=generation, bloom=bloom_path, usage=usage_path, keys=len(rows),
+        watermark=watermark, grace_s=grace_s, created_at=now_ms / 1000,
+        folded=tuple(sorted(n for n in every_folded if _time_ms(n) >= cutoff)),
+    )  # fmt: skip
+    published = _publish(io, pointer, bloom_blob, usage_blob, raw_current)
+    deleted = snapshots_deleted = 0
+    if published:
+        if len(rows) > capacity:
+            logger.warning(
+                "s3kv manifest: %d live keys exceed bloom_capacity=%d; false positives rise",
+                len(rows), capacity,
+            )  # fmt: skip
+        keep_gens = {generation, current.generation if current else generation}
+        deleted, snapshots_deleted = _cleanup(
+            io,
+            [SEGMENTS_DIR + n for n in every_folded if _time_ms(n) < cutoff],
+            [path for gen, paths in snapshots.items() if gen not in keep_gens for path in paths],
+        )
+    return CompactionReport(
+        generation=generation, keys=len(rows), records_folded=len(records),
+        segments_folded=len(read), segments_corrupt=len(corrupt), segments_deferred=deferred,
+        segments_deleted=deleted, snapshots_deleted=snapshots_deleted,
+        keys_dropped=len(folded_rows) - len(rows), listing_keys=len(listing or ()),
+        bloom_bytes=len(bloom_blob), usage_bytes=len(usage_blob),
+        over_capacity=len(rows) > capacity, lost_race=not published, requests=io.requests,
+    )  # fmt: skip
+
+
+def _time_ms(name: str) -> int:
+    return segment_time_ms(name) or 0
+
+
+def _snapshot_objects(io: ManifestIO) -> dict[int, list[str]]:
+    """Generation -> paths of its snapshot objects."""
+    found: dict[int, list[str]] = {}
+    for name, _size in io.list_dir(SNAPSHOTS_DIR):
+        generation = snapshot_generation(SNAPSHOTS_DIR + name)
+        if generation is not None:
+            found.setdefault(generation, []).append(SNAPSHOTS_DIR + name)
+    return found
+
+
+def _read_base(io: ManifestIO, *, rebuild: bool) -> tuple[bytes | None, Current | None, Records]:
+    """``CURRENT`` (raw and parsed) and its usage table; ``rebuild``: corrupt → empty."""
+    raw = io.get(CURRENT_NAME)
+    try:
+        current = None if raw is None else Current.from_json(raw)
+        usage = np.zeros(0, USAGE_DTYPE) if current is None else io.read_usage(current)
+    except CodecError:
+        if not rebuild:
+            raise
+        logger.warning("s3kv manifest: snapshot unreadable; rebuilding from the full listing")
+        return raw, None, np.zeros(0, USAGE_DTYPE)
+    return raw, current, usage
+
+
+def _classify(
+    io: ManifestIO, current: Current | None, future_ms: int
+) -> tuple[list[str], list[str], int]:
+    """Split all segments into (folded before, to fold, number deferred).
+
+    Folded before: named in ``CURRENT.folded``, or at/below the watermark and older than its
+    grace window (folded earlier, or arrived too late for any reader: lost alike). Deferred:
+    named after ``future_ms`` (a clock far ahead).
+    """
+    folded = set(current.folded) if current else set()
+    watermark = current.watermark if current else ""
+    cutoff = current.listing_cutoff_ms if current else 0
+    before: list[str] = []
+    to_fold: list[str] = []
+    deferred = 0
+    for name, time_ms in io.segments(0):
+        if name in folded or (name <= watermark and time_ms < cutoff):
+            before.append(name)
+        elif time_ms > future_ms:
+            deferred += 1
+        else:
+            to_fold.append(name)
+    return before, to_fold, deferred
+
+
+def _publish(
+    io: ManifestIO, pointer: Current, bloom: bytes, usage: bytes, raw_current: bytes | None
+) -> bool:
+    """Write the snapshot objects, then ``CURRENT``; ``False`` if another compactor won."""
+    if not (
+        io.put(pointer.bloom, bloom, if_absent=True)
+        and io.put(pointer.usage, usage, if_absent=True)
+    ):
+        logger.warning("s3kv manifest: another compactor wrote generation %d", pointer.generation)
+        return False
+    if io.get(CURRENT_NAME) != raw_current:
+        logger.warning("s3kv manifest: CURRENT moved during compaction; not replacing it")
+        return False
+    io.put(CURRENT_NAME, pointer.to_json())
+    return True
+
+
+def _cleanup(io: ManifestIO, segments: list[str], snapshots: list[str]) -> tuple[int, int]:
+    """Delete superseded objects; (segments deleted, snapshot objects deleted)."""
+    try:
+        return io.delete(segments), io.delete(snapshots)
+    except StorageError as exc:
+        # NOTE: the new generation is already live; leftovers are deleted next time.
+        logger.warning("s3kv manifest: cleanup after compaction failed (%s)", exc.kind)
+        return 0, 0

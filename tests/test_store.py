@@ -1,0 +1,343 @@
+"""The store engine on the in-memory backend: lookup, prefetch, save, bounds, failures."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+
+from s3kv.backend import MemoryBackend
+from s3kv.config import S3KVConfig
+from s3kv.errors import EndpointError
+from s3kv.keys import ROOT_HASH, BlockHash, ModelIdentity, chain_hashes
+from s3kv.pool import IOPool
+from s3kv.staging import NumpyAllocator
+from s3kv.store import KVStore, SaveStatus
+
+SHAPE = (2, 2, 4, 1, 8)  # layers, kv, tokens, heads, head_dim
+BLOCK_ELEMS = 4 * 1 * 8
+
+
+def identity() -> ModelIdentity:
+    return ModelIdentity(
+        model_id="test/model",
+        weights_revision="r1",
+        dtype="bfloat16",
+        kv_dtype="bfloat16",
+        quantization="none",
+        tokens_per_block=4,
+        kv_factor=2,
+        block_elems=BLOCK_ELEMS,
+        num_layers=2,
+        layout="test",
+    )
+
+
+def blocks(n: int, seed: int = 0) -> list[np.ndarray]:  # type: ignore[type-arg]
+    rng = np.random.default_rng(seed)
+    values = rng.normal(0, 1, size=(n, *SHAPE)).astype(np.float32)
+    return [b.view(np.uint32).__rshift__(16).astype(np.uint16) for b in values]
+
+
+def config(**changes: object) -> S3KVConfig:
+    base = {"bucket": "test", "manifest_refresh_interval": 0, "io_threads": 1}
+    base.update(changes)
+    return S3KVConfig.load(environ={}, **base)
+
+
+def open_store(backend: MemoryBackend, *, threads: int = 0, **changes: object) -> KVStore:
+    return KVStore.open(
+        config(**changes),
+        identity(),
+        backend=backend,
+        allocator=NumpyAllocator(),
+        pool=IOPool(threads),
+        start_background=False,
+    )
+
+
+def save_chain(store: KVStore, keys: list[BlockHash], data: list[np.ndarray]) -> None:  # type: ignore[type-arg]
+    parent = ROOT_HASH
+    for key, block in zip(keys, data, strict=True):
+        assert store.save(key, parent, block, dtype="bfloat16", shape=SHAPE) is SaveStatus.QUEUED
+        parent = key
+    assert store.flush(timeout=10)
+
+
+@pytest.fixture
+def backend() -> MemoryBackend:
+    return MemoryBackend()
+
+
+@pytest.fixture
+def chain() -> list[BlockHash]:
+    return chain_hashes(list(range(40)), 4)
+
+
+def test_second_instance_finds_stages_and_reads_identical_bytes(
+    backend: MemoryBackend, chain: list[BlockHash]
+) -> None:
+    # Instance A saves a chain of 10 blocks and closes.
+    data = blocks(10)
+    writer = open_store(backend)
+    save_chain(writer, chain, data)
+    writer.close()
+    # Instance B knows nothing but the bucket: the manifest says "maybe", nothing is staged.
+    reader = open_store(backend)
+    assert reader.lookup(chain).staged == 0
+    assert reader.lookup(chain).maybe == 10
+    # Prefetch stages every block (inline pool); now lookup claims them all.
+    assert reader.prefetch(chain) == 10
+    assert reader.wait_staged(chain, timeout=5) == 10
+    assert reader.lookup(chain).staged == 10
+    for key, block in zip(chain, data, strict=True):
+        staged = reader.staged(key)
+        assert staged is not None
+        assert staged.tobytes() == block.tobytes()
+    assert reader.metrics.value("prefetch_staged") == 10
+
+
+def test_lookup_makes_no_requests(backend: MemoryBackend, chain: list[BlockHash]) -> None:
+    store = open_store(backend)
+    save_chain(store, chain, blocks(10))
+    before = store.backend.requests()
+    for _ in range(100):
+        store.lookup(chain)
+    assert store.backend.requests() == before
+
+
+def test_lookup_counts_only_the_leading_run(
+    backend: MemoryBackend, chain: list[BlockHash]
+) -> None:
+    store = open_store(backend)
+    save_chain(store, chain[:3], blocks(3))
+    other = chain_hashes(list(range(100, 140)), 4)
+    assert store.lookup(chain).maybe == 3
+    assert store.lookup(other).maybe == 0
+    assert store.lookup([]).staged == 0
+
+
+def test_corrupt_object_is_a_counted_miss(backend: MemoryBackend, chain: list[BlockHash]) -> None:
+    store = open_store(backend)
+    save_chain(store, chain[:2], blocks(2))
+    key = store.object_key(chain[1])
+    blob = bytearray(backend.get(key) or b"")
+    blob[-1] ^= 0xFF
+    backend.put(key, bytes(blob))
+    reader = open_store(backend)
+    reader.prefetch(chain[:2])
+    assert reader.lookup(chain[:2]).staged == 1
+    assert reader.metrics.value("corrupt_objects", kind="checksum") == 1
+    assert reader.metrics.value("prefetch_failed") == 1
+
+
+def test_object_under_the_wrong_key_is_rejected(
+    backend: MemoryBackend, chain: list[BlockHash]
+) -> None:
+    store = open_store(backend)
+    save_chain(store, chain[:1], blocks(1))
+    # Someone copies block 0's object to block 1's key: the key digest in the header catches it.
+    backend.put(store.object_key(chain[1]), backend.get(store.object_key(chain[0])) or b"")
+    store.prefetch(chain[1:2])
+    assert chain[1] not in store.staging
+    assert store.metrics.value("corrupt_objects", kind="key_mismatch") == 1
+
+
+def test_pruned_object_is_not_found(backend: MemoryBackend, chain: list[BlockHash]) -> None:
+    store = open_store(backend)
+    save_chain(store, chain[:2], blocks(2))
+    backend.delete_many([store.object_key(chain[0])])
+    reader = open_store(backend)
+    assert reader.lookup(chain[:2]).maybe == 2, "the manifest still advertises it"
+    reader.prefetch(chain[:2])
+    assert reader.lookup(chain[:2]).staged == 0
+    assert reader.metrics.value("prefetch_not_found") == 1
+
+
+def test_existing_keys_are_not_written_twice(
+    backend: MemoryBackend, chain: list[BlockHash]
+) -> None:
+    store = open_store(backend)
+    data = blocks(2)
+    save_chain(store, chain[:2], data)
+    puts = store.backend.metrics.value("requests", op="put")
+    again = store.save(chain[0], ROOT_HASH, data[0], dtype="bfloat16", shape=SHAPE)
+    assert again is SaveStatus.SKIPPED
+    assert store.backend.metrics.value("requests", op="put") == puts
+
+
+class GatedPool(IOPool):
+    """Holds every task until released, to observe in-flight bounds."""
+
+    def __init__(self) -> None:
+        super().__init__(0)
+        self.tasks: list[object] = []
+
+    def submit(self, priority: object, task: object) -> bool:  # type: ignore[override]
+        self.tasks.append(task)
+        return True
+
+    def run_all(self) -> None:
+        while self.tasks:
+            self.tasks.pop(0)()  # type: ignore[operator]
+
+
+def test_save_back_pressure_drops_and_counts(
+    backend: MemoryBackend, chain: list[BlockHash]
+) -> None:
+    data = blocks(3)
+    pool = GatedPool()
+    store = KVStore.open(
+        config(max_inflight_save_bytes=2 * data[0].nbytes),
+        identity(),
+        backend=backend,
+        allocator=NumpyAllocator(),
+        pool=pool,
+        start_background=False,
+    )
+    statuses = [
+        store.save(k, ROOT_HASH, b, dtype="bfloat16", shape=SHAPE)
+        for k, b in zip(chain, data, strict=False)
+    ]
+    assert statuses == [SaveStatus.QUEUED, SaveStatus.QUEUED, SaveStatus.DROPPED]
+    assert store.metrics.value("save_dropped") == 1
+    # A duplicate of an in-flight save is skipped, not queued twice.
+    assert store.save(chain[0], ROOT_HASH, data[0], dtype="bfloat16", shape=SHAPE) is (
+        SaveStatus.SKIPPED
+    )
+    pool.run_all()
+    assert store.metrics.value("save_completed") == 2
+    assert store.metrics.value("inflight_save_bytes") == 0
+
+
+def test_block_policy_waits_then_drops(backend: MemoryBackend, chain: list[BlockHash]) -> None:
+    data = blocks(2)
+    pool = GatedPool()
+    store = KVStore.open(
+        config(max_inflight_save_bytes=data[0].nbytes, save_policy="block",
+               save_block_timeout=0.05),
+        identity(),
+        backend=backend,
+        allocator=NumpyAllocator(),
+        pool=pool,
+        start_background=False,
+    )  # fmt: skip
+    assert store.save(chain[0], ROOT_HASH, data[0], dtype="bfloat16", shape=SHAPE) is (
+        SaveStatus.QUEUED
+    )
+    done = threading.Timer(0.01, pool.run_all)
+    done.start()
+    # The first save completes while the second waits: the second is admitted.
+    assert store.save(chain[1], chain[0], data[1], dtype="bfloat16", shape=SHAPE) is (
+        SaveStatus.QUEUED
+    )
+    done.join()
+    pool.run_all()
+    assert store.metrics.value("save_completed") == 2
+
+
+class FlakyBackend(MemoryBackend):
+    def __init__(self) -> None:
+        super().__init__()
+        self.broken = False
+
+    def _check(self) -> None:
+        if self.broken:
+            raise EndpointError("connection refused (test)")
+
+    def get(self, key: str) -> bytes | None:
+        self._check()
+        return super().get(key)
+
+    def put(self, key: str, data: bytes | memoryview, *, if_absent: bool = False) -> bool:
+        self._check()
+        return super().put(key, data, if_absent=if_absent)
+
+    def list(self, prefix: str, *, start_after: str | None = None) -> Iterator:  # type: ignore[type-arg]
+        self._check()
+        return super().list(prefix, start_after=start_after)
+
+
+def test_storage_outage_never_raises(chain: list[BlockHash]) -> None:
+    backend = FlakyBackend()
+    store = open_store(backend)
+    save_chain(store, chain[:2], blocks(2))
+    backend.broken = True
+    data = blocks(2, seed=1)
+    other = chain_hashes(list(range(500, 508)), 4)
+    assert store.save(other[0], ROOT_HASH, data[0], dtype="bfloat16", shape=SHAPE) is (
+        SaveStatus.QUEUED
+    )
+    assert store.metrics.value("save_failed") == 1
+    assert store.lookup(chain[:2]).maybe == 2, "lookup still answers from memory"
+    store.prefetch(chain[:1])
+    assert store.metrics.value("prefetch_failed") == 1
+    assert store.metrics.value("request_errors", op="get", kind="endpoint") == 1
+    store.flush(timeout=1)
+    store.close(timeout=1)
+
+
+def test_close_drains_threaded_saves(backend: MemoryBackend, chain: list[BlockHash]) -> None:
+    store = open_store(backend, threads=2)
+    data = blocks(10)
+    parent = ROOT_HASH
+    for key, block in zip(chain, data, strict=True):
+        store.save(key, parent, block, dtype="bfloat16", shape=SHAPE)
+        parent = key
+    assert store.close(timeout=30)
+    assert store.metrics.value("save_completed") == 10
+    assert store.save(chain[0], ROOT_HASH, data[0], dtype="bfloat16", shape=SHAPE) is (
+        SaveStatus.DROPPED
+    )
+    reader = open_store(backend)
+    assert reader.lookup(chain).maybe == 10
+
+
+def test_on_consumed_is_always_called(backend: MemoryBackend, chain: list[BlockHash]) -> None:
+    store = open_store(backend)
+    calls: list[int] = []
+    data = blocks(1)[0]
+    store.save(chain[0], ROOT_HASH, data, dtype="bfloat16", shape=SHAPE,
+               on_consumed=lambda: calls.append(1))  # fmt: skip
+    store.save(chain[0], ROOT_HASH, data, dtype="bfloat16", shape=SHAPE,
+               on_consumed=lambda: calls.append(2))  # fmt: skip
+    assert calls == [1, 2]
+
+
+def test_staging_budget_bounds_prefetch(backend: MemoryBackend, chain: list[BlockHash]) -> None:
+    data = blocks(10)
+    writer = open_store(backend)
+    save_chain(writer, chain, data)
+    reader = open_store(backend, staging_bytes=3 * data[0].nbytes)
+    assert reader.pin_leading(chain) == 0
+    reader.prefetch(chain[:3])
+    assert reader.pin_leading(chain[:3]) == 3
+    reader.prefetch(chain[3:6])
+    assert reader.metrics.value("prefetch_no_room") == 3, "pinned blocks are never evicted"
+    reader.unpin(chain[:3])
+    reader.prefetch(chain[3:6])
+    assert reader.lookup(chain[3:6]).staged == 3
+    assert reader.staging.used_bytes <= 3 * data[0].nbytes
+
+
+def test_prefetch_queue_is_bounded(backend: MemoryBackend, chain: list[BlockHash]) -> None:
+    pool = GatedPool()
+    store = KVStore.open(
+        config(max_prefetch_queue=4), identity(), backend=backend,
+        allocator=NumpyAllocator(), pool=pool, start_background=False,
+    )  # fmt: skip
+    assert store.prefetch(chain) == 4
+    assert store.metrics.value("prefetch_dropped") == 6
+    assert store.prefetch(chain[:4]) == 0, "already in flight"
+    pool.run_all()
+
+
+def test_hits_reach_the_manifest(backend: MemoryBackend, chain: list[BlockHash]) -> None:
+    store = open_store(backend)
+    save_chain(store, chain[:2], blocks(2))
+    store.record_hits(chain[:2])
+    assert store.manifest.pending_records >= 2
+    store.flush()
+    assert store.manifest.pending_records == 0
