@@ -146,7 +146,7 @@ def main() -> None:
             head_per_block(backend)
             backend.close()
         finally:
-            server.stop()
+            server.stop(grace=2.0)
 
 
 def seed_save(backend: S3Backend, keys: list[str], blocks: list[np.ndarray]) -> None:  # type: ignore[type-arg]

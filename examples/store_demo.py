@@ -202,7 +202,7 @@ def orchestrate() -> int:
             loaded = run_role("load", env)
             print(f"  {json.dumps(loaded)}")
         finally:
-            server.stop()
+            server.stop(grace=2.0)
     summary = {
         "identical": loaded["identical"],
         "prompt_tokens": saved["prompt_tokens"],
