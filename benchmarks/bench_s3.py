@@ -20,6 +20,7 @@ MB/s are raw (uncompressed) bytes per second. Client and server share this machi
 from __future__ import annotations
 
 import argparse
+import functools
 import io
 import json
 import os
@@ -121,32 +122,75 @@ def main() -> None:
                 reader.close()
 
                 raw_keys = [f"raw/{tag}/{i}" for i in range(len(blocks))]
-                record("save.uncompressed_put_MBps", timed(lambda k=raw_keys: parallel(
-                    threads, lambda i: backend.put(k[i], blocks[i].tobytes()), len(blocks))))
-                record("stage.uncompressed_get_MBps", timed(lambda k=raw_keys: parallel(
-                    threads, lambda i: backend.get(k[i]), len(blocks))))
+                record(
+                    "save.uncompressed_put_MBps",
+                    timed(
+                        lambda k=raw_keys: parallel(
+                            threads, functools.partial(put_raw, backend, k, blocks), len(blocks)
+                        )
+                    ),
+                )
+                record(
+                    "stage.uncompressed_get_MBps",
+                    timed(
+                        lambda k=raw_keys: parallel(
+                            threads, functools.partial(get_raw, backend, k), len(blocks)
+                        )
+                    ),
+                )
                 seed_keys = [f"seed/{tag}/{i}" for i in range(len(blocks))]
-                record("save.seed_style_MBps", timed(lambda k=seed_keys: seed_save(
-                    backend, k, blocks)))
-                record("stage.seed_style_MBps", timed(lambda k=seed_keys: seed_load(
-                    backend, k)))
+                record(
+                    "save.seed_style_MBps", timed(lambda k=seed_keys: seed_save(backend, k, blocks))
+                )
+                record("stage.seed_style_MBps", timed(lambda k=seed_keys: seed_load(backend, k)))
 
             best = {name: max(values) for name, values in results.items()}
             for name, value in best.items():
-                emit(name, value, "MB/s", rounds=rounds, blocks=len(blocks),
-                     block_MB=round(blocks[0].nbytes / 1e6, 3), threads=threads)
-            emit("save.ratio_vs_uncompressed_put",
-                 best["save.raw_MBps"] / best["save.uncompressed_put_MBps"], "x", target=1.3)
-            emit("save.ratio_vs_seed_style",
-                 best["save.raw_MBps"] / best["save.seed_style_MBps"], "x", target=4.0)
-            emit("stage.ratio_vs_uncompressed_get",
-                 best["stage.raw_MBps"] / best["stage.uncompressed_get_MBps"], "x", target=1.0)
-            emit("stage.ratio_vs_seed_style",
-                 best["stage.raw_MBps"] / best["stage.seed_style_MBps"], "x", target=4.0)
+                emit(
+                    name,
+                    value,
+                    "MB/s",
+                    rounds=rounds,
+                    blocks=len(blocks),
+                    block_MB=round(blocks[0].nbytes / 1e6, 3),
+                    threads=threads,
+                )
+            emit(
+                "save.ratio_vs_uncompressed_put",
+                best["save.raw_MBps"] / best["save.uncompressed_put_MBps"],
+                "x",
+                target=1.3,
+            )
+            emit(
+                "save.ratio_vs_seed_style",
+                best["save.raw_MBps"] / best["save.seed_style_MBps"],
+                "x",
+                target=4.0,
+            )
+            emit(
+                "stage.ratio_vs_uncompressed_get",
+                best["stage.raw_MBps"] / best["stage.uncompressed_get_MBps"],
+                "x",
+                target=1.0,
+            )
+            emit(
+                "stage.ratio_vs_seed_style",
+                best["stage.raw_MBps"] / best["stage.seed_style_MBps"],
+                "x",
+                target=4.0,
+            )
             head_per_block(backend)
             backend.close()
         finally:
             server.stop(grace=2.0)
+
+
+def put_raw(backend: S3Backend, keys: list[str], blocks: list[np.ndarray], i: int) -> None:  # type: ignore[type-arg]
+    backend.put(keys[i], blocks[i].tobytes())
+
+
+def get_raw(backend: S3Backend, keys: list[str], i: int) -> None:
+    backend.get(keys[i])
 
 
 def seed_save(backend: S3Backend, keys: list[str], blocks: list[np.ndarray]) -> None:  # type: ignore[type-arg]
@@ -175,8 +219,13 @@ def head_per_block(backend: S3Backend) -> None:
     for key in keys:
         backend.head(key)
     elapsed = time.perf_counter() - start
-    emit("lookup.head_per_block_ms_32k_tokens", elapsed * 1e3, "ms", blocks=len(keys),
-         per_head_ms=round(elapsed * 1e3 / len(keys), 3))
+    emit(
+        "lookup.head_per_block_ms_32k_tokens",
+        elapsed * 1e3,
+        "ms",
+        blocks=len(keys),
+        per_head_ms=round(elapsed * 1e3 / len(keys), 3),
+    )
 
 
 if __name__ == "__main__":

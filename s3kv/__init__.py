@@ -42,6 +42,7 @@ def __getattr__(name: str) -> object:
         return getattr(importlib.import_module(_LAZY[name]), name)
     raise AttributeError(f"module 's3kv' has no attribute {name!r}")
 
+
 __all__ = [
     "ROOT_HASH",
     "UNKNOWN",

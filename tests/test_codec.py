@@ -1,0 +1,337 @@
+"""s3kv.codec: round trips, precise verification errors, fuzzing, and the fallback path."""
+
+from __future__ import annotations
+
+import ast
+import inspect
+import math
+import struct
+import zlib
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+import xxhash
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from s3kv import _planes, _zstd, codec
+from s3kv.codec import CodecId, DType
+from s3kv.errors import (
+    BadMagicError,
+    ChecksumError,
+    CodecError,
+    KeyMismatchError,
+    SizeMismatchError,
+    TruncatedError,
+    UnsupportedVersionError,
+)
+
+KEY = "s3kv/v1/fp-0123/ab/ab12cd34"
+FAST = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+shapes = st.lists(st.integers(0, 9), min_size=0, max_size=4).map(tuple)
+
+
+def bf16_normal(n: int, seed: int = 0, scale: float = 1.0) -> np.ndarray:
+    """bf16 bit patterns of normal samples (truncated float32), like real KV values."""
+    f32 = np.random.default_rng(seed).normal(0, scale, n).astype(np.float32)
+    return (f32.view(np.uint32) >> 16).astype(np.uint16)
+
+
+def make_raw(dtype: DType, shape: tuple[int, ...], kind: str, seed: int) -> bytes:
+    n = math.prod(shape) * dtype.itemsize
+    rng = np.random.default_rng(seed)
+    if kind == "random":
+        return rng.integers(0, 256, n, dtype=np.uint8).tobytes()
+    if kind == "zeros":
+        return bytes(n)
+    # "values": low-entropy high bytes, like KV tensors.
+    return np.resize(bf16_normal(n // 2 + 1, seed).view(np.uint8), n).tobytes()
+
+
+def reseal(blob: bytes, *, payload: bool = False) -> bytes:
+    """Recompute the header crc (and the payload checksum) after a deliberate edit.
+
+    The result is a forged object that passes the outer checks, so that the checks behind
+    them (header consistency, the zstd decoder, the raw checksum) are exercised.
+    """
+    (header_len,) = struct.unpack_from("<I", blob, 6)
+    body = bytearray(blob[: header_len - 4])
+    if payload and len(body) >= 70:
+        body[62:70] = xxhash.xxh3_64_digest(blob[header_len:])
+    return bytes(body) + struct.pack("<I", zlib.crc32(body)) + blob[header_len:]
+
+
+@pytest.fixture(params=[None, 64], ids=["default-chunks", "64-byte-chunks"])
+def chunked(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Also encode with tiny chunks, so that many-section objects are exercised cheaply."""
+    if request.param is not None:
+        monkeypatch.setattr(_planes, "PLANE_CHUNK", request.param)
+        monkeypatch.setattr(_planes, "ZSTD_CHUNK", request.param)
+
+
+SAMPLE_RAW = bf16_normal(3000).tobytes()
+SAMPLE = codec.encode(SAMPLE_RAW, key=KEY, dtype=DType.BFLOAT16, shape=(3, 1000))
+
+
+@pytest.fixture
+def blob() -> bytes:
+    return SAMPLE
+
+
+# -- round trips ---------------------------------------------------------------------------
+
+
+@pytest.mark.usefixtures("chunked")
+@FAST
+@given(
+    dtype=st.sampled_from(DType),
+    requested=st.sampled_from(CodecId),
+    shape=shapes,
+    kind=st.sampled_from(["random", "zeros", "values"]),
+    seed=st.integers(0, 2**16),
+)
+def test_round_trip_every_dtype_and_codec(
+    dtype: DType, requested: CodecId, shape: tuple[int, ...], kind: str, seed: int
+) -> None:
+    raw = make_raw(dtype, shape, kind, seed)
+    blob = codec.encode(raw, key=KEY, dtype=dtype, shape=shape, codec=requested)
+    header = codec.read_header(blob)
+    assert (header.dtype, header.shape, header.raw_len) == (dtype, shape, len(raw))
+    assert header.key_digest == codec.key_digest(KEY)
+    assert header.total_len == len(blob)
+    assert bytes(codec.decode(blob, key=KEY, expect_raw_len=len(raw))) == raw
+    if requested is CodecId.RAW or not raw:
+        assert header.codec is CodecId.RAW
+
+
+@FAST
+@given(shape=shapes.filter(lambda s: math.prod(s) > 0), seed=st.integers(0, 2**16))
+def test_decode_into_out_buffer(shape: tuple[int, ...], seed: int) -> None:
+    raw = make_raw(DType.BFLOAT16, shape, "values", seed)
+    blob = codec.encode(raw, key=KEY, dtype="bfloat16", shape=shape)
+    staging = bytearray(len(raw))
+    out = memoryview(staging)
+    result = codec.decode(blob, key=KEY, out=out)
+    assert result is out
+    assert bytes(staging) == raw
+
+
+def test_numpy_input_and_multidimensional_out() -> None:
+    values = bf16_normal(2 * 3 * 64).reshape(2, 3, 64)
+    blob = codec.encode(values, key=KEY, dtype=DType.BFLOAT16, shape=values.shape)
+    # A non-contiguous view is encoded as its logical (C-order) bytes.
+    wide = np.zeros((2, 3, 128), np.uint16)
+    wide[:, :, ::2] = values
+    assert codec.encode(wide[:, :, ::2], key=KEY, dtype="bfloat16", shape=values.shape) == blob
+    out = np.empty_like(values)
+    codec.decode(blob, key=KEY, out=out.data)
+    np.testing.assert_array_equal(out, values)
+
+
+def test_incompressible_object_is_stored_raw() -> None:
+    raw = np.random.default_rng(1).integers(0, 256, 4096, dtype=np.uint8).tobytes()
+    blob = codec.encode(raw, key=KEY, dtype=DType.FLOAT16, shape=(2048,))
+    assert codec.read_header(blob).codec is CodecId.RAW
+    assert len(blob) == codec.read_header(blob).header_len + len(raw)
+
+
+def test_planes_store_the_low_plane_raw_and_compress_the_high_plane() -> None:
+    raw = bf16_normal(300_000).tobytes()  # > one chunk, so several sections
+    header = codec.read_header(codec.encode(raw, key=KEY, dtype="bfloat16", shape=(300_000,)))
+    assert header.codec is CodecId.PLANES_ZSTD
+    assert header.planes == 2
+    assert len(header.sections) == 2 * math.ceil(len(raw) / header.chunk_len) > 2
+    assert {s.codec for s in header.sections[0::2]} == {codec.SectionCodec.ZSTD}
+    assert {s.codec for s in header.sections[1::2]} == {codec.SectionCodec.STORED}
+
+
+def test_other_dtypes_degrade_to_plain_zstd() -> None:
+    raw = bytes(range(16)) * 256
+    header = codec.read_header(codec.encode(raw, key=KEY, dtype=DType.FP8_E4M3, shape=(4096,)))
+    assert (header.codec, header.planes) == (CodecId.ZSTD, 1)
+
+
+def test_normal_bf16_compresses_with_planes() -> None:
+    raw = bf16_normal(1 << 18, seed=7, scale=2.0).tobytes()
+    blob = codec.encode(raw, key=KEY, dtype=DType.BFLOAT16, shape=(1 << 18,))
+    assert len(raw) / len(blob) > 1.2
+    assert bytes(codec.decode(blob, key=KEY)) == raw
+
+
+def test_wire_codes_are_fixed() -> None:
+    assert {d.value: d.code for d in DType} == {
+        "bfloat16": 1, "float16": 2, "float32": 3, "fp8_e4m3": 4, "fp8_e5m2": 5,
+        "int8": 6, "uint8": 7,
+    }  # fmt: skip
+    assert [DType(n).itemsize for n in ("bfloat16", "float32", "fp8_e5m2")] == [2, 4, 1]
+    assert [CodecId.from_name(n) for n in ("raw", "zstd", "planes-zstd")] == [0, 1, 2]
+    with pytest.raises(ValueError, match="lz4"):
+        CodecId.from_name("lz4")
+
+
+def test_fallback_encoder_and_decoder_read_the_same_format(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    raw = bf16_normal(70_000).tobytes()
+    native_blob = codec.encode(raw, key=KEY, dtype="bfloat16", shape=(70_000,))
+    monkeypatch.setattr(_zstd, "_CFFI", None)
+    fallback = _zstd.ThreadZstd()
+    monkeypatch.setattr(_zstd, "local", lambda: fallback)
+    fallback_blob = codec.encode(raw, key=KEY, dtype="bfloat16", shape=(70_000,))
+    assert len(raw) / len(fallback_blob) > 1.3
+    for blob in (native_blob, fallback_blob):
+        assert bytes(codec.decode(blob, key=KEY)) == raw
+    flipped = bytearray(native_blob)
+    flipped[codec.read_header(native_blob).header_len + 20] ^= 0xFF
+    with pytest.raises(ChecksumError):
+        codec.decode(bytes(flipped), key=KEY)
+
+
+# -- verification: each failure has its precise error -------------------------------------
+
+
+def test_encode_rejects_a_size_that_disagrees_with_the_shape() -> None:
+    with pytest.raises(SizeMismatchError):
+        codec.encode(b"\x00" * 10, key=KEY, dtype=DType.BFLOAT16, shape=(6,))
+    with pytest.raises(ValueError, match="shape"):
+        codec.encode(b"", key=KEY, dtype=DType.UINT8, shape=(-1,))
+
+
+def test_wrong_key_is_a_key_mismatch(blob: bytes) -> None:
+    with pytest.raises(KeyMismatchError):
+        codec.decode(blob, key=KEY + "x")
+
+
+def test_wrong_version_is_unsupported(blob: bytes) -> None:
+    newer = blob[:4] + struct.pack("<H", 2) + blob[6:]
+    for forged in (newer, reseal(newer), newer[:8]):
+        with pytest.raises(UnsupportedVersionError):
+            codec.decode(forged, key=KEY)
+
+
+def test_size_expectations_of_the_caller(blob: bytes) -> None:
+    with pytest.raises(SizeMismatchError):
+        codec.decode(blob, key=KEY, expect_raw_len=6001)
+    with pytest.raises(SizeMismatchError):
+        codec.decode(blob, key=KEY, out=memoryview(bytearray(5999)))
+    with pytest.raises(ValueError, match="writable"):
+        codec.decode(blob, key=KEY, out=memoryview(bytes(6000)))
+
+
+def test_every_truncation_and_extension_is_truncated(blob: bytes) -> None:
+    for length in [*range(0, 80), *range(80, len(blob), 97), len(blob) - 1]:
+        with pytest.raises(TruncatedError):
+            codec.decode(blob[:length], key=KEY)
+    with pytest.raises(TruncatedError):
+        codec.decode(blob + b"\x00", key=KEY)
+
+
+def test_not_an_object_is_bad_magic() -> None:
+    for junk in (b"PK\x03\x04" + bytes(100), b"{}", b"\x00"):
+        with pytest.raises(BadMagicError):
+            codec.decode(junk, key=KEY)
+
+
+def expected_error(offset: int, header_len: int) -> tuple[type[CodecError], ...]:
+    """The precise error for a corrupted byte at ``offset``, by the field it lands in."""
+    if offset < 4:
+        return (BadMagicError,)
+    if offset < 6:
+        return (UnsupportedVersionError,)
+    if offset < 10:  # header_len itself: too long, too short, or a crc over other bytes
+        return (TruncatedError, SizeMismatchError, ChecksumError)
+    return (ChecksumError,)  # rest of the header (crc32) or the payload (xxh3 / zstd)
+
+
+@pytest.mark.usefixtures("chunked")
+def test_every_single_byte_flip_is_detected_precisely() -> None:
+    raw = bf16_normal(1500).tobytes()
+    blob = codec.encode(raw, key=KEY, dtype=DType.BFLOAT16, shape=(1500,))
+    header_len = codec.read_header(blob).header_len
+    for offset in range(len(blob)):
+        corrupt = bytearray(blob)
+        corrupt[offset] ^= 1 << (offset % 8)
+        with pytest.raises(expected_error(offset, header_len)):
+            codec.decode(bytes(corrupt), key=KEY)
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "error"),
+    [
+        (10, 9, UnsupportedVersionError),  # codec id
+        (11, 200, UnsupportedVersionError),  # dtype code
+        (13, 1, SizeMismatchError),  # planes
+        (22, 6002, SizeMismatchError),  # raw_len
+        (14, 3, SizeMismatchError),  # chunk_len: odd for 2 planes
+    ],
+)
+def test_forged_but_sealed_headers_are_rejected(
+    blob: bytes, field: int, value: int, error: type[CodecError]
+) -> None:
+    forged = bytearray(blob)
+    forged[field] = value & 0xFF
+    if field in (14, 22):
+        forged[field : field + 8] = struct.pack("<Q", value)
+    with pytest.raises(error):
+        codec.decode(reseal(bytes(forged)), key=KEY)
+
+
+def test_forged_huge_raw_len_never_allocates(blob: bytes) -> None:
+    header = codec.read_header(blob)
+    forged = bytearray(blob)
+    at = 70  # dims start: claim a 2**40-element block
+    forged[at : at + 16] = struct.pack("<QQ", 1 << 20, 1 << 20)
+    forged[22:30] = struct.pack("<Q", 1 << 41)
+    with pytest.raises(SizeMismatchError):
+        codec.decode(reseal(bytes(forged)), key=KEY)
+    assert header.raw_len == 6000
+
+
+# -- fuzzing: any bytes at all give a CodecError or the right answer ----------------------
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.binary(max_size=400))
+def test_random_bytes_raise_codec_errors(data: bytes) -> None:
+    for candidate in (data, codec.MAGIC + struct.pack("<H", 1) + data):
+        with pytest.raises(CodecError):
+            codec.decode(candidate, key=KEY)
+
+
+@settings(max_examples=400, deadline=None)
+@given(edits=st.lists(st.tuples(st.integers(0, 10_000), st.integers(1, 255)), max_size=6),
+       seal=st.sampled_from(["no", "header", "header+payload"]),
+       cut=st.integers(0, 10_000))  # fmt: skip
+def test_mutated_objects_raise_codec_errors_or_decode_exactly(
+    edits: list[tuple[int, int]], seal: str, cut: int
+) -> None:
+    corrupt = bytearray(SAMPLE)
+    for offset, xor in edits:
+        corrupt[offset % len(corrupt)] ^= xor
+    if cut % 4 == 0:  # sometimes also truncate the payload
+        del corrupt[len(corrupt) - cut % 300 :]
+    candidate = bytes(corrupt)
+    if seal != "no" and len(corrupt) >= 10:
+        candidate = reseal(candidate, payload=seal == "header+payload")
+    try:
+        out = codec.decode(candidate, key=KEY)
+    except CodecError:
+        return
+    assert bytes(out) == SAMPLE_RAW
+
+
+def _imported_modules(module: object) -> Iterator[str]:
+    for node in ast.walk(ast.parse(inspect.getsource(module))):  # type: ignore[arg-type]
+        if isinstance(node, ast.Import):
+            yield from (alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            yield node.module
+
+
+def test_no_pickle_on_the_read_path() -> None:
+    forbidden = {"pickle", "marshal", "shelve", "dill", "cloudpickle", "joblib", "torch"}
+    for module in (codec, _zstd):
+        assert forbidden.isdisjoint(name.split(".")[0] for name in _imported_modules(module))
+        assert forbidden.isdisjoint(vars(module))
