@@ -64,13 +64,16 @@ def prompt_blocks() -> tuple[list[int], list[np.ndarray]]:  # type: ignore[type-
     """Token ids of the system prompt and its KV per full block, computed by the model."""
     import torch
 
-    model, tokenizer = smollm2.load_model("bfloat16")
+    # NOTE: the float32 forward pass is ~3x faster on CPU than bfloat16; the KV cache is then
+    # stored as bfloat16, as a bf16 engine's paged cache would hold it.
+    model, tokenizer = smollm2.load_model("float32")
     ids = tokenizer(smollm2.PROMPT_TEXT).input_ids[:MAX_PROMPT_TOKENS]
     with torch.inference_mode():
         out = model(input_ids=torch.tensor([ids]), use_cache=True)
     layers = [torch.stack([layer.keys[0], layer.values[0]]) for layer in out.past_key_values.layers]
     # [layers, kv, heads, tokens, dim] -> [layers, kv, tokens, heads, dim], raw bf16 bits
-    kv = torch.stack(layers).permute(0, 1, 3, 2, 4).contiguous().view(torch.int16).numpy()
+    kv = torch.stack(layers).permute(0, 1, 3, 2, 4).to(torch.bfloat16).contiguous()
+    kv = kv.view(torch.int16).numpy()
     kv = kv.view(np.uint16)
     n_blocks = len(ids) // TOKENS_PER_BLOCK
     blocks = [
