@@ -160,6 +160,22 @@ class S3KVConfig:
     manifest_flush_interval: float = _duration(5.0, "How often new keys/hits are flushed.")
     manifest_flush_keys: int = _plain(4096, "Flush a segment early once this many records wait.")
     instance_id: str = _plain("", "Name of this instance in segment keys; default random.")
+    # --- connector ---
+    model_revision: str = _plain(
+        "",
+        "Immutable weights revision for the model fingerprint (commit or checksum); "
+        "when empty s3kv derives it from llm_args or hashes the weight files, else fails "
+        "closed (blocks are not shared).",
+    )
+    warm_start_bytes: int = _size(
+        512 * 1024**2, "Staging budget filled at startup with the hottest and pinned prefixes."
+    )
+    warm_start_timeout: float = _duration(60.0, "Longest startup waits for warm staging.")
+    save_decode_blocks: bool = _plain(False, "Also save blocks filled during decode.")
+    breaker_failures: int = _plain(
+        5, "Consecutive storage failures that open the circuit breaker (claim 0, save nothing)."
+    )
+    breaker_cooldown: float = _duration(30.0, "Time the breaker stays open before a probe.")
     # --- observability ---
     metrics_port: int = _plain(0, "Serve Prometheus metrics on this port (0 = do not serve).")
 
@@ -174,6 +190,7 @@ class S3KVConfig:
             (self.bloom_capacity >= 1, "bloom_capacity: must be >= 1"),
             (self.max_prefetch_queue >= 1, "max_prefetch_queue: must be >= 1"),
             (self.manifest_flush_keys >= 1, "manifest_flush_keys: must be >= 1"),
+            (self.breaker_failures >= 1, "breaker_failures: must be >= 1"),
             (0 <= self.metrics_port <= 65535, "metrics_port: must be in 0..65535"),
             ("//" not in self.prefix, "prefix: must not contain '//'"),
         ]

@@ -1,24 +1,33 @@
-"""A backend wrapper that counts requests, bytes and errors into :class:`Metrics`."""
+"""A backend wrapper that counts requests, bytes and errors and feeds the circuit breaker."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
+from typing import TypeVar
 
 from s3kv.backend import DELETE_BATCH, Backend, Capabilities, DeleteResult, ObjectInfo
+from s3kv.breaker import NEUTRAL_KINDS, CircuitBreaker
 from s3kv.errors import StorageError
 from s3kv.metrics import Metrics
+
+T = TypeVar("T")
 
 
 class InstrumentedBackend(Backend):
     """Delegates to ``inner``; counts ``requests{op}``, ``request_errors{op,kind}`` and bytes.
 
     A ``list`` counts one request per page of 1000 keys (as S3 bills it); ``delete_many`` one
-    per batch.
+    per batch. With a ``breaker``, every request first asks it for admission (raising
+    :class:`~s3kv.breaker.CircuitOpenError` while open, without touching the network) and
+    reports its outcome to it.
     """
 
-    def __init__(self, inner: Backend, metrics: Metrics) -> None:
+    def __init__(
+        self, inner: Backend, metrics: Metrics, *, breaker: CircuitBreaker | None = None
+    ) -> None:
         self.inner = inner
         self.metrics = metrics
+        self.breaker = breaker
 
     @property
     def capabilities(self) -> Capabilities:
@@ -28,67 +37,59 @@ class InstrumentedBackend(Backend):
     def description(self) -> str:
         return self.inner.description
 
+    @property
+    def healthy(self) -> bool:
+        """False while the circuit breaker is open (or half-open)."""
+        return self.breaker is None or self.breaker.healthy
+
     def requests(self) -> int:
         """Total requests made through this wrapper so far."""
         return int(self.metrics.total("requests"))
 
-    def _fail(self, op: str, exc: StorageError) -> None:
-        self.metrics.inc("request_errors", op=op, kind=exc.kind)
+    def _call(self, op: str, fn: Callable[[], T], count: int = 1) -> T:
+        try:
+            if self.breaker is not None:
+                self.breaker.before_request()
+            self.metrics.inc("requests", count, op=op)
+            result = fn()
+        except StorageError as exc:
+            self.metrics.inc("request_errors", op=op, kind=exc.kind)
+            if self.breaker is not None and exc.kind not in NEUTRAL_KINDS:
+                self.breaker.record_failure()
+            raise
+        if self.breaker is not None:
+            self.breaker.record_success()
+        return result
 
     def get(self, key: str) -> bytes | None:
-        self.metrics.inc("requests", op="get")
-        try:
-            data = self.inner.get(key)
-        except StorageError as exc:
-            self._fail("get", exc)
-            raise
+        data = self._call("get", lambda: self.inner.get(key))
         if data is not None:
             self.metrics.inc("bytes_received", len(data))
         return data
 
     def put(self, key: str, data: bytes | memoryview, *, if_absent: bool = False) -> bool:
-        self.metrics.inc("requests", op="put")
-        try:
-            written = self.inner.put(key, data, if_absent=if_absent)
-        except StorageError as exc:
-            self._fail("put", exc)
-            raise
+        written = self._call("put", lambda: self.inner.put(key, data, if_absent=if_absent))
         if written:
             self.metrics.inc("bytes_sent", len(data))
         return written
 
     def head(self, key: str) -> ObjectInfo | None:
-        self.metrics.inc("requests", op="head")
-        try:
-            return self.inner.head(key)
-        except StorageError as exc:
-            self._fail("head", exc)
-            raise
+        return self._call("head", lambda: self.inner.head(key))
 
     def delete_many(self, keys: Iterable[str]) -> DeleteResult:
         key_list = list(keys)
-        batches = (len(key_list) + DELETE_BATCH - 1) // DELETE_BATCH
-        self.metrics.inc("requests", batches, op="delete")
-        try:
-            return self.inner.delete_many(key_list)
-        except StorageError as exc:
-            self._fail("delete", exc)
-            raise
+        batches = max(1, (len(key_list) + DELETE_BATCH - 1) // DELETE_BATCH)
+        return self._call("delete", lambda: self.inner.delete_many(key_list), batches)
 
     def list(self, prefix: str, *, start_after: str | None = None) -> Iterator[ObjectInfo]:
-        self.metrics.inc("requests", op="list")
-        try:
-            for n, info in enumerate(self.inner.list(prefix, start_after=start_after), 1):
-                if n % DELETE_BATCH == 0:
-                    self.metrics.inc("requests", op="list")
-                yield info
-        except StorageError as exc:
-            self._fail("list", exc)
-            raise
+        # NOTE: materialized page by page inside _call so errors count where they happen.
+        pages = self._call("list", lambda: list(self.inner.list(prefix, start_after=start_after)))
+        if len(pages) > DELETE_BATCH:
+            self.metrics.inc("requests", (len(pages) - 1) // DELETE_BATCH, op="list")
+        return iter(pages)
 
     def check(self) -> None:
-        self.metrics.inc("requests", op="head_bucket")
-        self.inner.check()
+        self._call("head_bucket", self.inner.check)
 
     def close(self) -> None:
         self.inner.close()

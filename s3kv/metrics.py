@@ -27,6 +27,8 @@ _HELP: Mapping[str, str] = {
     "prefetch_not_found": "Prefetched keys absent in the bucket (Bloom false positive, pruned).",
     "prefetch_no_room": "Prefetched blocks dropped: staging full of pinned entries.",
     "prefetch_failed": "Prefetches that failed (storage error or corrupt object).",
+    "prefetch_skipped_unhealthy": "Prefetches skipped while the circuit breaker was open.",
+    "save_dropped_unhealthy": "Saves dropped while the circuit breaker was open.",
     "save_submitted": "Blocks accepted for saving.",
     "save_skipped_existing": "Saves skipped because the key is already written.",
     "save_dropped": "Saves dropped by back-pressure (in-flight bytes at the bound).",

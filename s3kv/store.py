@@ -34,6 +34,7 @@ import numpy as np
 
 from s3kv import codec
 from s3kv.backend import Backend
+from s3kv.breaker import BreakerState, CircuitBreaker
 from s3kv.config import S3KVConfig
 from s3kv.errors import CodecError, SizeMismatchError, StorageError
 from s3kv.instrumented import InstrumentedBackend
@@ -155,11 +156,12 @@ class KVStore:
             BucketNotFoundError, AccessDeniedError, EndpointError: one clear line each.
         """
         metrics = Metrics()
+        breaker = CircuitBreaker(config.breaker_failures, config.breaker_cooldown)
         if backend is None:
             from s3kv.backend_s3 import S3Backend
 
             backend = S3Backend.from_config(config)
-        instrumented = InstrumentedBackend(backend, metrics)
+        instrumented = InstrumentedBackend(backend, metrics, breaker=breaker)
         instrumented.check()
         fingerprint = identity.fingerprint()
         identity_key = identity_object_key(config.key_prefix, fingerprint)
@@ -206,6 +208,15 @@ class KVStore:
         )  # fmt: skip
         return store
 
+    @property
+    def healthy(self) -> bool:
+        """False while the circuit breaker says the bucket is unhealthy (claim nothing)."""
+        return self.backend.healthy
+
+    def _breaker_open(self) -> bool:
+        breaker = self.backend.breaker
+        return breaker is not None and breaker.state is BreakerState.OPEN
+
     def object_key(self, key: BlockHash) -> str:
         """The object key a block is stored under."""
         return block_object_key(self.config.key_prefix, self.fingerprint, key)
@@ -247,6 +258,9 @@ class KVStore:
         Keys already staged or being fetched are skipped; once ``max_prefetch_queue``
         fetches are outstanding the rest are dropped (counted).
         """
+        if self._breaker_open():
+            self.metrics.inc("prefetch_skipped_unhealthy", len(keys))
+            return 0
         scheduled = 0
         for key in keys:
             with self._lock:
@@ -361,6 +375,9 @@ class KVStore:
         return SaveStatus.QUEUED
 
     def _admit_save(self, key: BlockHash, nbytes: int) -> SaveStatus:
+        if self._breaker_open():
+            self.metrics.inc("save_dropped_unhealthy")
+            return SaveStatus.DROPPED
         with self._lock:
             if self._closed:
                 return SaveStatus.DROPPED

@@ -339,3 +339,32 @@ def test_hits_reach_the_manifest(backend: MemoryBackend, chain: list[BlockHash])
     assert store.manifest.pending_records >= 2
     store.flush()
     assert store.manifest.pending_records == 0
+
+
+def test_breaker_opens_then_recovers(chain: list[BlockHash]) -> None:
+    from s3kv.breaker import BreakerState
+
+    backend = FlakyBackend()
+    store = open_store(backend, breaker_failures=2, breaker_cooldown=0.0)
+    breaker = store.backend.breaker
+    assert breaker is not None
+    breaker._clock = lambda: 0.0  # type: ignore[method-assign]  # frozen time: stays open
+    breaker.cooldown = 10.0
+    backend.broken = True
+    store.prefetch(chain[:2])
+    assert breaker.state is BreakerState.OPEN
+    assert not store.healthy
+    # Open: no request is even attempted; saves drop, prefetches are skipped.
+    requests = store.backend.requests()
+    assert store.save(chain[5], ROOT_HASH, blocks(1)[0], dtype="bfloat16", shape=SHAPE) is (
+        SaveStatus.DROPPED
+    )
+    assert store.prefetch(chain[:3]) == 0
+    assert store.backend.requests() == requests
+    # After the cooldown one probe goes through; the bucket is back, so the circuit closes.
+    backend.broken = False
+    breaker._clock = lambda: 100.0  # type: ignore[method-assign]
+    assert breaker.state is BreakerState.HALF_OPEN
+    store.prefetch(chain[:1])
+    assert breaker.state is BreakerState.CLOSED
+    assert store.healthy
