@@ -40,10 +40,10 @@ format: env
 	$(VENV)/bin/ruff check --fix s3kv tests benchmarks examples
 
 bench-quick: env
-	$(PY) benchmarks/run.py --quick
+	@$(PY) benchmarks/run.py --quick
 
 bench: env
-	$(PY) benchmarks/run.py
+	@$(PY) benchmarks/run.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis build *.egg-info

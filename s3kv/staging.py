@@ -41,6 +41,10 @@ class HostAllocator(Protocol):
         """A new writable buffer of exactly ``nbytes`` bytes."""
         ...
 
+    def free(self, buffer: HostBuffer) -> None:
+        """Take back a buffer the cache no longer references."""
+        ...
+
 
 class NumpyAllocator:
     """Plain pageable host memory."""
@@ -49,6 +53,9 @@ class NumpyAllocator:
 
     def allocate(self, nbytes: int) -> HostBuffer:
         return np.empty(nbytes, dtype=np.uint8)
+
+    def free(self, buffer: HostBuffer) -> None:
+        """Nothing to do: the garbage collector frees it."""
 
 
 class TorchPinnedAllocator:
@@ -63,6 +70,9 @@ class TorchPinnedAllocator:
         # NOTE: Tensor.numpy() shares memory and its array keeps the tensor alive.
         array: HostBuffer = tensor.numpy()
         return array
+
+    def free(self, buffer: HostBuffer) -> None:
+        """Nothing to do: dropping the last view frees the pinned tensor."""
 
 
 def default_allocator() -> HostAllocator:
@@ -232,6 +242,7 @@ class StagingCache:
                 return False
             entry = self._entries.pop(victim)
             self._used -= entry.buffer.nbytes
+            self._allocator.free(entry.buffer)
             self._metrics.inc("staging_evictions")
         self._update_gauges()
         return True
@@ -239,7 +250,7 @@ class StagingCache:
     def _drop_one_free_buffer(self) -> bool:
         for size, pool in self._free.items():
             if pool:
-                pool.pop()
+                self._allocator.free(pool.pop())
                 self._used -= size
                 return True
         return False
