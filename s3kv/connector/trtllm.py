@@ -105,6 +105,15 @@ class S3KVConnectorScheduler(SchedulerBase):  # type: ignore[misc]
         if off:
             self._turn_off(f"rank {off[0].rank}: {off[0].reason}")
             return
+        try:
+            self._open_shards(shards)
+        except S3KVError as exc:  # missing bucket, denied credentials, no shared memory
+            self._turn_off(str(exc))
+
+    def _open_shards(self, shards: list[ShardInfo]) -> None:
+        core = self.core
+        if core is None:
+            return
         state = process_state()
         identities = [s.identity for s in shards if s.identity is not None]
         if len(shards) == 1:
@@ -216,7 +225,11 @@ class S3KVConnectorWorker(WorkerBase):  # type: ignore[misc]
             reason = off[0].reason if off else self.off_reason
             logger.error("s3kv: connector disabled on rank %d: %s", self.rank, reason)
             return
-        store = state.open_store(self.config, info.identity)
+        try:
+            store = state.open_store(self.config, info.identity)
+        except S3KVError as exc:
+            logger.error("s3kv: connector disabled on rank %d: %s", self.rank, exc)
+            return
         self.core = WorkerCore(
             self.rank, store, kv_cache_tensor, self.config.max_inflight_save_bytes
         )

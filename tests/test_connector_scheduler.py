@@ -1,0 +1,244 @@
+"""The scheduler core: what it claims, what it plans, when it lets go of pins."""
+
+from __future__ import annotations
+
+import pickle
+from dataclasses import dataclass, field
+
+import numpy as np
+import pytest
+
+from s3kv.backend import MemoryBackend
+from s3kv.config import S3KVConfig
+from s3kv.connector.api import RequestData
+from s3kv.connector.metadata import ConnectorMetadata
+from s3kv.connector.scheduler import SchedulerCore
+from s3kv.connector.shared import ShardStores
+from s3kv.keys import ROOT_HASH, ModelIdentity, chain_hashes
+from s3kv.pool import IOPool
+from s3kv.staging import NumpyAllocator
+from s3kv.store import KVStore
+
+TPB = 4
+SHAPE = (2, 2, 8)
+
+
+@dataclass
+class FakeRequest:
+    """The attributes of TensorRT-LLM's LlmRequest binding the scheduler reads."""
+
+    request_id: int
+    tokens: list[int]
+    cache_salt_id: int | None = None
+    lora_task_id: int | None = None
+    multimodal_hashes: list[list[int]] | None = field(default=None)
+
+    @property
+    def prompt_len(self) -> int:
+        return len(self.tokens)
+
+    def get_tokens(self, beam: int) -> list[int]:
+        return list(self.tokens)
+
+
+def identity(rank: int = 0, tp: int = 1) -> ModelIdentity:
+    return ModelIdentity(
+        model_id="m", weights_revision="r", dtype="bfloat16", kv_dtype="bfloat16",
+        quantization="none", tokens_per_block=TPB, kv_factor=2, block_elems=8, num_layers=2,
+        layout="t", tp_size=tp, tp_rank=rank,
+    )  # fmt: skip
+
+
+def make_store(backend: MemoryBackend, rank: int = 0, tp: int = 1, **cfg: object) -> KVStore:
+    config = S3KVConfig.load(environ={}, bucket="b", manifest_refresh_interval=0, **cfg)
+    return KVStore.open(
+        config, identity(rank, tp), backend=backend, allocator=NumpyAllocator(),
+        pool=IOPool(0), start_background=False,
+    )  # fmt: skip
+
+
+def block(seed: int) -> np.ndarray:  # type: ignore[type-arg]
+    return np.random.default_rng(seed).integers(0, 2**16, size=SHAPE, dtype=np.uint16)
+
+
+def put_blocks(store: KVStore, tokens: list[int], n: int) -> None:
+    keys = chain_hashes(tokens, TPB)
+    parent = ROOT_HASH
+    for i, key in enumerate(keys[:n]):
+        store.save(key, parent, block(i), dtype="bfloat16", shape=SHAPE)
+        parent = key
+    store.flush()
+
+
+def core_for(*stores: KVStore, **cfg: object) -> SchedulerCore:
+    config = S3KVConfig.load(environ={}, bucket="b", **cfg)
+    core = SchedulerCore(config, TPB)
+    core.shards = ShardStores(list(stores))
+    return core
+
+
+PROMPT = list(range(100, 117))  # 17 tokens: 4 full blocks + 1
+
+
+def staged_core(n_blocks: int = 4, **cfg: object) -> tuple[SchedulerCore, KVStore]:
+    backend = MemoryBackend()
+    put_blocks(make_store(backend), PROMPT, n_blocks)
+    store = make_store(backend)
+    store.prefetch(chain_hashes(PROMPT, TPB)[:n_blocks])
+    return core_for(store, **cfg), store
+
+
+def test_claims_staged_whole_blocks() -> None:
+    core, store = staged_core()
+    assert core.get_num_new_matched_tokens(FakeRequest(1, PROMPT), 0) == 16
+    # Claimed blocks are pinned: eviction cannot take them before the load.
+    assert store.staging.pin_leading(chain_hashes(PROMPT, TPB)) == 4
+
+
+def test_never_claims_the_whole_prompt() -> None:
+    core, _ = staged_core()
+    # 16 tokens = exactly 4 blocks: at most 15 may be claimed, so only 3 whole blocks.
+    assert core.get_num_new_matched_tokens(FakeRequest(1, PROMPT[:16]), 0) == 12
+
+
+def test_device_match_inside_a_block_claims_nothing() -> None:
+    core, _ = staged_core()
+    assert core.get_num_new_matched_tokens(FakeRequest(1, PROMPT), 2) == 0
+
+
+def test_claim_starts_after_the_device_match() -> None:
+    core, _ = staged_core()
+    assert core.get_num_new_matched_tokens(FakeRequest(1, PROMPT), 8) == 8
+
+
+def test_bloom_positive_tail_is_prefetched_not_claimed() -> None:
+    backend = MemoryBackend()
+    put_blocks(make_store(backend), PROMPT, 4)
+    reader = make_store(backend)
+    core = core_for(reader)
+    requests_before = reader.backend.requests()
+    assert core.get_num_new_matched_tokens(FakeRequest(1, PROMPT), 0) == 0
+    # The claim made no request itself; the prefetch it started (inline pool here) did.
+    assert reader.metrics.value("prefetch_scheduled") == 4
+    assert reader.backend.requests() > requests_before
+    assert core.get_num_new_matched_tokens(FakeRequest(2, PROMPT), 0) == 16
+
+
+def test_salted_request_does_not_match() -> None:
+    core, _ = staged_core()
+    assert core.get_num_new_matched_tokens(FakeRequest(1, PROMPT, cache_salt_id=7), 0) == 0
+
+
+def test_tensor_parallel_claim_needs_every_shard() -> None:
+    backend = MemoryBackend()
+    put_blocks(make_store(backend, 0, 2), PROMPT, 4)
+    put_blocks(make_store(backend, 1, 2), PROMPT, 2)  # rank 1 has only 2 blocks
+    shard0, shard1 = make_store(backend, 0, 2), make_store(backend, 1, 2)
+    keys = chain_hashes(PROMPT, TPB)
+    shard0.prefetch(keys)
+    shard1.prefetch(keys)
+    core = core_for(shard0, shard1)
+    assert core.get_num_new_matched_tokens(FakeRequest(1, PROMPT), 0) == 8
+    # Rank 0's extra staged blocks were not left pinned by the failed part of the claim.
+    assert shard0.staging.pin_leading(keys) == 4
+    shard0.unpin(keys)
+    assert not shard0.staging.remove(keys[0]), "claimed block 0 stays pinned"
+    assert shard0.staging.remove(keys[3]), "unclaimed block 3 is not pinned"
+
+
+def test_unhealthy_store_claims_nothing() -> None:
+    core, store = staged_core()
+    assert store.backend.breaker is not None
+    for _ in range(store.config.breaker_failures):
+        store.backend.breaker.record_failure()
+    assert core.get_num_new_matched_tokens(FakeRequest(1, PROMPT), 0) == 0
+
+
+def first_report(rid: int, tokens: list[int], blocks: list[int], computed: int, scheduled: int):  # type: ignore[no-untyped-def]
+    return RequestData(rid, list(tokens), list(blocks), computed, scheduled)
+
+
+def test_metadata_loads_claims_and_saves_the_rest() -> None:
+    core, _ = staged_core(n_blocks=2)
+    request = FakeRequest(1, PROMPT)
+    assert core.get_num_new_matched_tokens(request, 0) == 8
+    core.update_state_after_alloc(request, [10, 11, 12, 13, 14])
+    meta = core.build_connector_meta([first_report(1, PROMPT, [10, 11, 12, 13, 14], 0, 9)], [])
+    assert isinstance(meta, ConnectorMetadata)
+    assert [op.block_id for op in meta.loads] == [10, 11]
+    # Blocks 2 and 3 become full in this forward pass; block 4 (1 token) does not.
+    assert [op.block_id for op in meta.saves] == [12, 13]
+    keys = chain_hashes(PROMPT, TPB)
+    assert meta.saves[0].parent == keys[1]
+    assert len(pickle.dumps(meta)) < 1024
+    assert core.request_finished(request) is True
+
+
+def test_chunked_prefill_saves_each_block_once_full() -> None:
+    backend = MemoryBackend()
+    core = core_for(make_store(backend))
+    request = FakeRequest(1, PROMPT)
+    assert core.get_num_new_matched_tokens(request, 0) == 0
+    core.update_state_after_alloc(request, [0, 1, 2, 3, 4])
+    first = core.build_connector_meta([first_report(1, PROMPT, [0, 1, 2, 3, 4], 0, 6)], [])
+    assert [op.block_id for op in first.saves] == [0]
+    second = core.build_connector_meta([], [RequestData(1, [], [], 6, 6)])
+    assert [op.block_id for op in second.saves] == [1, 2]
+    third = core.build_connector_meta([], [RequestData(1, [], [], 12, 5)])
+    assert [op.block_id for op in third.saves] == [3]
+    # Decode blocks are not saved by default.
+    decode = core.build_connector_meta([], [RequestData(1, [7, 8, 9], [5], 19, 1)])
+    assert decode.saves == ()
+
+
+def test_decode_blocks_saved_when_configured() -> None:
+    backend = MemoryBackend()
+    core = core_for(make_store(backend), save_decode_blocks=True)
+    request = FakeRequest(1, PROMPT)
+    core.get_num_new_matched_tokens(request, 0)
+    core.update_state_after_alloc(request, [0, 1, 2, 3, 4])
+    core.build_connector_meta([first_report(1, PROMPT, [0, 1, 2, 3, 4], 0, 17)], [])
+    decode = core.build_connector_meta([], [RequestData(1, [7, 8, 9], [], 19, 1)])
+    assert [op.block_id for op in decode.saves] == [4]
+    expected = chain_hashes([*PROMPT, 7, 8, 9], TPB)[4]
+    assert decode.saves[0].key == expected
+
+
+def test_blocks_already_in_the_bucket_are_not_saved_again() -> None:
+    core, _ = staged_core(n_blocks=4)
+    request = FakeRequest(1, PROMPT)
+    # The device matched everything locally: the connector claims nothing...
+    assert core.get_num_new_matched_tokens(request, 16) == 0
+    core.update_state_after_alloc(request, [0, 1, 2, 3, 4])
+    meta = core.build_connector_meta([first_report(1, PROMPT, [0, 1, 2, 3, 4], 16, 1)], [])
+    assert meta.saves == (), "...and does not copy out blocks the manifest already has"
+    assert core.request_finished(request) is False
+
+
+def test_pins_are_released_one_step_after_the_load() -> None:
+    core, store = staged_core(n_blocks=4)
+    keys = chain_hashes(PROMPT, TPB)
+    request = FakeRequest(1, PROMPT)
+    core.get_num_new_matched_tokens(request, 0)
+    core.update_state_after_alloc(request, [0, 1, 2, 3, 4])
+    core.build_connector_meta([first_report(1, PROMPT, [0, 1, 2, 3, 4], 0, 1)], [])
+    assert not store.staging.remove(keys[0]), "pinned during the iteration that loads it"
+    core.build_connector_meta([], [])
+    assert store.staging.remove(keys[0]), "released at the next scheduler step"
+
+
+def test_unscheduled_claim_is_released_at_finish() -> None:
+    core, store = staged_core(n_blocks=4)
+    request = FakeRequest(1, PROMPT)
+    core.get_num_new_matched_tokens(request, 0)
+    core.request_finished(request)
+    assert store.staging.remove(chain_hashes(PROMPT, TPB)[0])
+    assert core.tracked_requests == 0
+
+
+@pytest.mark.parametrize("computed", [0, 4, 8, 12, 16])
+def test_claim_bound_holds_for_every_device_match(computed: int) -> None:
+    core, _ = staged_core()
+    claimed = core.get_num_new_matched_tokens(FakeRequest(1, PROMPT), computed)
+    assert claimed % TPB == 0
+    assert claimed <= len(PROMPT) - 1 - computed

@@ -1,0 +1,244 @@
+"""The TensorRT-LLM adapter classes, driven by hand in one process (moto as the bucket).
+
+The emulated runtime (tests/test_connector_e2e.py) drives them the way PyExecutor does; here
+each contract is pinned on its own: registration checks, never raising, a save-then-load
+round trip through a fresh instance, warm start.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+
+from conftest import unique_bucket
+from s3kv.connector.api import RequestData, SchedulerOutput
+from s3kv.connector.metadata import ConnectorMetadata
+from s3kv.connector.shared import process_state
+from s3kv.connector.trtllm import S3KVConnectorScheduler, S3KVConnectorWorker
+
+TPB = 4
+LAYERS = 2
+ELEMS = 2 * TPB * 8  # 2 kv heads x 4 tokens x head_dim 8
+
+
+def llm_args(**kv_overrides: Any) -> SimpleNamespace:
+    kv = {"tokens_per_block": TPB, "enable_block_reuse": True, "enable_partial_reuse": False,
+          "host_cache_size": 0, "dtype": "auto"}  # fmt: skip
+    kv.update(kv_overrides)
+    return SimpleNamespace(
+        model="test/tiny", revision=None, dtype="bfloat16", tensor_parallel_size=1,
+        pipeline_parallel_size=1, context_parallel_size=1, max_beam_width=1,
+        enable_attention_dp=False, kv_cache_config=SimpleNamespace(**kv),
+        scheduler_config=SimpleNamespace(capacity_scheduler_policy="GUARANTEED_NO_EVICT"),
+    )  # fmt: skip
+
+
+@dataclass
+class Request:
+    request_id: int
+    tokens: list[int]
+    cache_salt_id: int | None = None
+    lora_task_id: int | None = None
+    multimodal_hashes: Any = field(default=None)
+
+    @property
+    def prompt_len(self) -> int:
+        return len(self.tokens)
+
+    def get_tokens(self, beam: int) -> list[int]:
+        return list(self.tokens)
+
+
+@pytest.fixture
+def bucket_env(moto_server: str, aws_env: None, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
+    from s3kv.backend_s3 import ensure_bucket, make_client
+    from s3kv.config import S3KVConfig
+
+    bucket = unique_bucket()
+    env = {
+        "TLLM_S3KV_BUCKET": bucket, "TLLM_S3KV_ENDPOINT_URL": moto_server,
+        "TLLM_S3KV_REGION": "us-east-1", "TLLM_S3KV_MODEL_REVISION": "test-rev",
+        "TLLM_S3KV_MANIFEST_FLUSH_INTERVAL": "0.05", "TLLM_S3KV_STAGING_BYTES": "64MiB",
+        "TLLM_S3KV_WARM_START_TIMEOUT": "20",
+    }  # fmt: skip
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    ensure_bucket(make_client(S3KVConfig.load()), bucket)
+    yield bucket
+    process_state().close_all()
+
+
+def pool(blocks: int = 8, fill: float | None = None) -> torch.Tensor:
+    if fill is None:
+        return torch.zeros(blocks, LAYERS, 2, ELEMS, dtype=torch.bfloat16)
+    return torch.full((blocks, LAYERS, 2, ELEMS), fill, dtype=torch.bfloat16)
+
+
+def instance(
+    kv: torch.Tensor, **kv_overrides: Any
+) -> tuple[S3KVConnectorScheduler, S3KVConnectorWorker]:
+    args = llm_args(**kv_overrides)
+    scheduler = S3KVConnectorScheduler(args)
+    worker = S3KVConnectorWorker(args)
+    worker.register_kv_caches(kv)
+    scheduler.wait_for_initialization()
+    return scheduler, worker
+
+
+def step(scheduler: S3KVConnectorScheduler, worker: S3KVConnectorWorker,
+         output: SchedulerOutput) -> ConnectorMetadata:  # fmt: skip
+    meta = scheduler.build_connector_meta(output)
+    worker.bind_connector_meta(meta)
+    worker.start_load_kv(None)
+    worker.wait_for_save(None)
+    return meta
+
+
+PROMPT = list(range(1, 18))  # 17 tokens: 4 full blocks
+
+
+def test_save_then_a_fresh_instance_warms_claims_and_loads(bucket_env: str) -> None:
+    # Instance A computes the prompt (its pool holds distinct values per block) and saves.
+    kv_a = pool()
+    for b in range(8):
+        kv_a[b] = float(b + 1)
+    scheduler, worker = instance(kv_a)
+    request = Request(1, PROMPT)
+    assert scheduler.get_num_new_matched_tokens(request, 0) == (0, False)
+    scheduler.update_state_after_alloc(request, [3, 1, 4, 5, 2])
+    meta = step(scheduler, worker, SchedulerOutput(
+        new_requests=[RequestData(1, PROMPT, [3, 1, 4, 5, 2], 0, 17)]))  # fmt: skip
+    assert len(meta.saves) == 4
+    assert scheduler.request_finished(request, [3, 1, 4, 5, 2]) is True
+    assert worker.get_finished([1], []) == ([1], [])
+    process_state().close_all()  # instance A exits: saves drained, manifest flushed
+
+    # Instance B: a new scheduler/worker pair with an empty pool; warm start stages the chain.
+    kv_b = pool()
+    scheduler_b, worker_b = instance(kv_b)
+    assert scheduler_b.warm is not None
+    assert scheduler_b.warm.staged == 4
+    request_b = Request(7, PROMPT)
+    assert scheduler_b.get_num_new_matched_tokens(request_b, 0) == (16, False)
+    scheduler_b.update_state_after_alloc(request_b, [0, 2, 4, 6, 7])
+    meta_b = step(scheduler_b, worker_b, SchedulerOutput(
+        new_requests=[RequestData(7, PROMPT, [0, 2, 4, 6, 7], 0, 1)]))  # fmt: skip
+    assert [op.block_id for op in meta_b.loads] == [0, 2, 4, 6]
+    for src, dst in zip([3, 1, 4, 5], [0, 2, 4, 6], strict=True):
+        assert torch.equal(kv_b[dst], kv_a[src])
+    assert torch.count_nonzero(kv_b[7]) == 0, "the unclaimed tail block is not touched"
+
+
+def test_salted_request_gets_nothing_from_another_tenant(bucket_env: str) -> None:
+    kv = pool(fill=1.0)
+    scheduler, worker = instance(kv)
+    request = Request(1, PROMPT, cache_salt_id=11)
+    scheduler.get_num_new_matched_tokens(request, 0)
+    scheduler.update_state_after_alloc(request, [0, 1, 2, 3, 4])
+    step(
+        scheduler,
+        worker,
+        SchedulerOutput(new_requests=[RequestData(1, PROMPT, [0, 1, 2, 3, 4], 0, 17)]),
+    )
+    process_state().close_all()
+    scheduler_b, _ = instance(pool())
+    assert scheduler_b.get_num_new_matched_tokens(Request(2, PROMPT, cache_salt_id=12), 0) == (
+        0,
+        False,
+    )
+    assert scheduler_b.get_num_new_matched_tokens(Request(3, PROMPT), 0) == (0, False)
+    assert scheduler_b.get_num_new_matched_tokens(Request(4, PROMPT, cache_salt_id=11), 0) == (
+        16,
+        False,
+    )
+
+
+@pytest.mark.parametrize(
+    ("tensor", "message"),
+    [
+        (torch.zeros(8, LAYERS, ELEMS, dtype=torch.bfloat16), "one [blocks, layers, kv_factor"),
+        (torch.zeros(8, LAYERS, 2, ELEMS, dtype=torch.float64), "dtype"),
+        (torch.zeros(8, LAYERS, 2, ELEMS * 2, dtype=torch.bfloat16)[..., ::2], "contiguous"),
+    ],
+)
+def test_unservable_layouts_turn_the_connector_off(
+    bucket_env: str, tensor: torch.Tensor, message: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.ERROR)
+    scheduler, worker = instance(tensor)
+    assert worker.core is None
+    assert scheduler.core is None
+    assert any(message in r.getMessage() for r in caplog.records)
+    assert scheduler.get_num_new_matched_tokens(Request(1, PROMPT), 0) == (0, False)
+    assert worker.get_finished([5], []) == ([5], [])
+
+
+def test_several_pools_are_refused(bucket_env: str, tmp_path: Any) -> None:
+    (tmp_path / "config.json").write_text('{"num_hidden_layers": 3}')
+    args = llm_args()
+    args.model = str(tmp_path)
+    worker = S3KVConnectorWorker(args)
+    worker.register_kv_caches(pool())
+    assert worker.core is None
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        ({"enable_block_reuse": False}, "enable_block_reuse"),
+        ({"host_cache_size": 1 << 30}, "host_cache_size"),
+    ],
+)
+def test_outside_the_envelope_turns_off_with_a_message(
+    bucket_env: str, overrides: dict[str, Any], message: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.ERROR)
+    scheduler, worker = instance(pool(), **overrides)
+    assert scheduler.core is None
+    assert worker.core is None
+    assert any(message in r.getMessage() for r in caplog.records)
+
+
+def test_nothing_raises_into_the_engine(bucket_env: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    scheduler, worker = instance(pool())
+    assert scheduler.core is not None
+    assert worker.core is not None
+
+    def boom(*args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError("bug")
+
+    monkeypatch.setattr(scheduler.core, "get_num_new_matched_tokens", boom)
+    monkeypatch.setattr(scheduler.core, "build_connector_meta", boom)
+    monkeypatch.setattr(scheduler.core, "request_finished", boom)
+    monkeypatch.setattr(worker.core, "start_load", boom)
+    monkeypatch.setattr(worker.core, "save_after_forward", boom)
+    monkeypatch.setattr(worker.core, "finished", boom)
+    assert scheduler.get_num_new_matched_tokens(Request(1, PROMPT), 0) == (0, False)
+    assert isinstance(scheduler.build_connector_meta(SchedulerOutput()), ConnectorMetadata)
+    assert scheduler.request_finished(Request(1, PROMPT), []) is False
+    worker.bind_connector_meta(ConnectorMetadata())
+    worker.start_load_kv(None)
+    worker.wait_for_save(None)
+    assert worker.get_finished([3], [4]) == ([3], [4])
+
+
+def test_missing_bucket_turns_off_not_raises(
+    moto_server: str, aws_env: None, monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:  # fmt: skip
+    monkeypatch.setenv("TLLM_S3KV_BUCKET", "no-such-bucket-here")
+    monkeypatch.setenv("TLLM_S3KV_ENDPOINT_URL", moto_server)
+    monkeypatch.setenv("TLLM_S3KV_MODEL_REVISION", "r")
+    caplog.set_level(logging.ERROR)
+    try:
+        scheduler, worker = instance(pool())
+        assert scheduler.get_num_new_matched_tokens(Request(1, PROMPT), 0) == (0, False)
+        assert any("no-such-bucket-here" in r.getMessage() for r in caplog.records)
+    finally:
+        process_state().close_all()
