@@ -15,8 +15,8 @@ from typing import Any
 
 import pytest
 import torch
-
 from conftest import unique_bucket
+
 from s3kv.connector.api import RequestData, SchedulerOutput
 from s3kv.connector.metadata import ConnectorMetadata
 from s3kv.connector.shared import process_state
@@ -237,7 +237,7 @@ def test_missing_bucket_turns_off_not_raises(
     monkeypatch.setenv("TLLM_S3KV_MODEL_REVISION", "r")
     caplog.set_level(logging.ERROR)
     try:
-        scheduler, worker = instance(pool())
+        scheduler, _ = instance(pool())
         assert scheduler.get_num_new_matched_tokens(Request(1, PROMPT), 0) == (0, False)
         assert any("no-such-bucket-here" in r.getMessage() for r in caplog.records)
     finally:
