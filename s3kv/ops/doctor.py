@@ -1,0 +1,287 @@
+"""Doctor: is this machine set up to use the bucket, and if not, what to change.
+
+Checks, in order (a failed reachability check skips the ones that need the bucket):
+
+1. **settings** — every setting with the place it came from (default, ``TLLM_S3KV_*``,
+   the TOML file, the command line). Settings hold no secrets; URLs are shown without any
+   ``user:password@``. A setting that does not parse fails here, with its fix.
+2. **credentials** — which link of the AWS chain supplied them (env, profile, SSO, role),
+   with the access key id masked to its last four characters; never the secret.
+3. **bucket** — HeadBucket: reachable, exists, credentials accepted (with its latency).
+4. **list / put / get / delete** — the permissions actually held, tried on a scratch key
+   ``<prefix>/.s3kv-probe/doctor-<random>`` that is deleted afterwards (the scratch area
+   the conditional-write probe uses too; ``infra/aws/`` grants it to every role); each
+   refusal names the IAM action to grant.
+5. **conditional write** — whether ``If-None-Match: *`` is honoured (the probe of
+   :func:`s3kv.backend_s3.probe_conditional_put`).
+6. **latency** — median and worst of a few HEAD requests.
+
+Credential provenance is not part of the storage interface, so this module asks boto3's
+session for it directly (lazily, like :mod:`s3kv.backend_s3`).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import statistics
+import time
+import uuid
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, fields
+from typing import Any, TypeVar
+
+from s3kv.backend import Backend
+from s3kv.config import S3KVConfig
+from s3kv.errors import AccessDeniedError, ConfigError, StorageError
+
+__all__ = ["Check", "DoctorReport", "Setting", "run_doctor"]
+
+_T = TypeVar("_T")
+_USERINFO = re.compile(r"(?<=://)[^/@]*@")
+_SLOW_MS = 200.0
+#: The scratch area under the prefix (shared with the conditional-write probe).
+_SCRATCH_DIR = ".s3kv-probe/"
+
+
+@dataclass(frozen=True)
+class Setting:
+    """One effective setting and where it came from."""
+
+    name: str
+    value: str
+    source: str
+
+
+@dataclass(frozen=True)
+class Check:
+    """One check.
+
+    Attributes:
+        name: What was checked.
+        status: ``"ok"``, ``"warn"``, ``"fail"`` or ``"skip"``.
+        detail: What was found.
+        remedy: What to change (for warn/fail).
+        latency_ms: Duration of the request(s), where one was made.
+    """
+
+    name: str
+    status: str
+    detail: str
+    remedy: str | None = None
+    latency_ms: float | None = None
+
+
+@dataclass(frozen=True)
+class DoctorReport:
+    """Settings with their sources, and the checks in the order run."""
+
+    settings: tuple[Setting, ...]
+    checks: tuple[Check, ...]
+
+    @property
+    def ok(self) -> bool:
+        """No check failed (warnings allowed)."""
+        return all(c.status != "fail" for c in self.checks)
+
+
+def run_doctor(
+    *,
+    environ: Mapping[str, str] | None = None,
+    overrides: Mapping[str, Any] | None = None,
+    open_backend: Callable[[S3KVConfig], Backend] | None = None,
+    timer: Callable[[], float] = time.perf_counter,
+    samples: int = 5,
+) -> DoctorReport:
+    """Run every check; never raises for a problem it can report.
+
+    Args:
+        environ: Environment to read settings from (default ``os.environ``).
+        overrides: Command-line settings (``bucket``, ``prefix``...; ``None`` values ignored).
+        open_backend: Builds the backend (default: :meth:`S3Backend.from_config`). Called
+            with ``conditional_put="off"`` so that opening does no I/O.
+        timer: Monotonic seconds, for latencies.
+        samples: HEAD requests for the latency check.
+    """
+    try:
+        cfg, sources = S3KVConfig.load_with_sources(environ=environ, **dict(overrides or {}))
+    except ConfigError as exc:
+        return DoctorReport((), (Check("settings", "fail", str(exc), "fix the setting named"),))
+    settings = _settings(cfg, sources, os.environ if environ is None else environ)
+    checks: list[Check] = [Check("settings", "ok", f"{len(sources)} set, the rest defaults")]
+    if not cfg.bucket:
+        checks.append(Check("bucket", "fail", "no bucket configured",
+                            "set TLLM_S3KV_BUCKET or pass --bucket"))  # fmt: skip
+        return DoctorReport(settings, tuple(checks))
+    checks.append(_credentials(cfg))
+    try:
+        backend = _open(cfg, open_backend)
+    except StorageError as exc:
+        checks.append(Check("bucket", "fail", str(exc), _remedy(exc)))
+        return DoctorReport(settings, tuple(checks))
+    try:
+        checks.extend(_bucket_checks(backend, cfg, timer, samples))
+    finally:
+        backend.close()
+    return DoctorReport(settings, tuple(checks))
+
+
+def _open(cfg: S3KVConfig, open_backend: Callable[[S3KVConfig], Backend] | None) -> Backend:
+    quiet = cfg.replace(conditional_put="off")
+    if open_backend is not None:
+        return open_backend(quiet)
+    from s3kv.backend_s3 import S3Backend
+
+    return S3Backend.from_config(quiet)
+
+
+def _safe(value: object) -> str:
+    return _USERINFO.sub("***@", str(value))
+
+
+def _settings(
+    cfg: S3KVConfig, sources: Mapping[str, str], environ: Mapping[str, str]
+) -> tuple[Setting, ...]:
+    found = [
+        Setting(f.name, _safe(getattr(cfg, f.name)),
+                sources.get(f.name, "default").replace("argument", "command line"))
+        for f in fields(cfg)
+    ]  # fmt: skip
+    if not cfg.endpoint_url:
+        for name in ("AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL"):
+            if environ.get(name):
+                found.append(Setting("endpoint (effective)", _safe(environ[name]), f"env {name}"))
+                break
+    return tuple(found)
+
+
+def _credentials(cfg: S3KVConfig) -> Check:
+    from s3kv.backend_s3 import FOREIGN_ERRORS, translate_error
+
+    try:
+        import boto3
+
+        creds = boto3.session.Session(profile_name=cfg.profile).get_credentials()
+    except FOREIGN_ERRORS as exc:
+        error = translate_error(exc, op="credentials", key=None, bucket=cfg.bucket)
+        return Check("credentials", "fail", str(error), _remedy(error))
+    if creds is None:
+        return Check("credentials", "fail", "no AWS credentials found",
+                     "set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, AWS_PROFILE or "
+                     "TLLM_S3KV_PROFILE, or run with an instance/container role")  # fmt: skip
+    key_id = str(getattr(creds, "access_key", "") or "")
+    masked = "*" * max(0, len(key_id) - 4) + key_id[-4:]
+    return Check("credentials", "ok", f"from {creds.method}, access key id {masked}")
+
+
+def _remedy(exc: StorageError) -> str:
+    # NOTE: translate_error messages already end in ": <remedy>"; repeat it as the remedy.
+    text = str(exc)
+    return text.rsplit(": ", 1)[-1] if ": " in text else "see the message"
+
+
+def _timed(timer: Callable[[], float], fn: Callable[[], _T]) -> tuple[_T, float]:
+    start = timer()
+    result = fn()
+    return result, (timer() - start) * 1000
+
+
+_GRANT = {
+    "list": ("s3:ListBucket", "arn:aws:s3:::{bucket}", "every role"),
+    "put": ("s3:PutObject", "arn:aws:s3:::{bucket}/{prefix}*",
+            "engines; prune, compact and pin write the manifest"),
+    "get": ("s3:GetObject", "arn:aws:s3:::{bucket}/{prefix}*", "every role"),
+    "delete": ("s3:DeleteObject", "arn:aws:s3:::{bucket}/{prefix}*", "prune and compact"),
+}  # fmt: skip
+
+
+def _denied(op: str, cfg: S3KVConfig, exc: BaseException | str) -> Check:
+    action, resource, who = _GRANT[op]
+    prefix = cfg.key_prefix + "/" if cfg.key_prefix else ""
+    where = resource.format(bucket=cfg.bucket, prefix=prefix)
+    return Check(op, "fail", f"denied: {exc}",
+                 f"grant {action} on {where} (needed by {who}); see infra/aws/")  # fmt: skip
+
+
+def _bucket_checks(
+    backend: Backend, cfg: S3KVConfig, timer: Callable[[], float], samples: int
+) -> list[Check]:
+    try:
+        _, ms = _timed(timer, backend.check)
+    except StorageError as exc:
+        return [Check("bucket", "fail", str(exc), _remedy(exc)),
+                Check("permissions", "skip", "the bucket is not reachable")]  # fmt: skip
+    checks = [Check("bucket", "ok", f"{backend.description} reachable", latency_ms=ms)]
+    root = cfg.key_prefix + "/" if cfg.key_prefix else ""
+    scratch = f"{root}{_SCRATCH_DIR}doctor-{uuid.uuid4().hex}"
+    payload = b"s3kv doctor scratch object\n"
+    put_ok = False
+    for op, call in (
+        ("list", lambda: next(iter(backend.list(root + _SCRATCH_DIR)), None)),
+        ("put", lambda: backend.put(scratch, payload)),
+        ("get", lambda: backend.get(scratch)),
+        ("delete", lambda: backend.delete_many([scratch])),
+    ):
+        checks.append(_permission(op, call, cfg, timer, put_ok, payload))
+        put_ok = put_ok or (op == "put" and checks[-1].status == "ok")
+    checks.append(_conditional(backend, cfg, put_ok))
+    checks.append(_latency(backend, scratch, timer, samples))
+    return checks
+
+
+def _permission(
+    op: str,
+    call: Callable[[], object],
+    cfg: S3KVConfig,
+    timer: Callable[[], float],
+    put_ok: bool,
+    payload: bytes,
+) -> Check:
+    try:
+        result, ms = _timed(timer, call)
+    except AccessDeniedError as exc:
+        return _denied(op, cfg, exc)
+    except StorageError as exc:
+        return Check(op, "fail", str(exc), _remedy(exc))
+    if op == "delete" and getattr(result, "failed", None):
+        return _denied(op, cfg, next(iter(result.failed.values())))  # type: ignore[attr-defined]
+    if op == "get" and put_ok and result != payload:
+        return Check(op, "fail", "read back different bytes than written",
+                     "the endpoint or a proxy alters objects; check it")  # fmt: skip
+    detail = "allowed" if op != "get" or put_ok else "allowed (scratch object absent)"
+    return Check(op, "ok", detail, latency_ms=ms)
+
+
+def _conditional(backend: Backend, cfg: S3KVConfig, put_ok: bool) -> Check:
+    if not put_ok:
+        return Check("conditional write", "skip", "needs put permission")
+    from s3kv.backend_s3 import S3Backend, probe_conditional_put
+
+    try:
+        if isinstance(backend, S3Backend):
+            supported = probe_conditional_put(backend.client, backend.bucket, cfg.key_prefix)
+        else:
+            supported = backend.capabilities.conditional_put
+    except StorageError as exc:
+        return Check("conditional write", "fail", str(exc), _remedy(exc))
+    if supported:
+        return Check("conditional write", "ok", "If-None-Match: * honoured (blocks written once)")
+    return Check("conditional write", "warn", "If-None-Match: * not honoured",
+                 "racing engines may write a block twice (same bytes: harmless, costs PUTs); "
+                 "use a server with conditional writes (AWS S3, MinIO, SeaweedFS 4.x)")  # fmt: skip
+
+
+def _latency(backend: Backend, key: str, timer: Callable[[], float], samples: int) -> Check:
+    times = []
+    try:
+        for _ in range(max(1, samples)):
+            times.append(_timed(timer, lambda: backend.head(key))[1])
+    except StorageError as exc:
+        return Check("latency", "fail", str(exc), _remedy(exc))
+    median = statistics.median(times)
+    detail = f"HEAD median {median:.1f} ms, worst {max(times):.1f} ms over {len(times)}"
+    if median > _SLOW_MS:
+        return Check("latency", "warn", detail,
+                     "engines pay this on every block GET: run them in the bucket's region",
+                     latency_ms=median)  # fmt: skip
+    return Check("latency", "ok", detail, latency_ms=median)
