@@ -96,6 +96,11 @@ def load_model(dtype: str = "bfloat16") -> tuple[Any, Any]:
     return model, tokenizer
 
 
+def checkpoint_dir() -> pathlib.Path:
+    """The converted (float32 safetensors) checkpoint directory; converted on first use."""
+    return _converted_checkpoint(gguf_path())
+
+
 def _converted_checkpoint(path: pathlib.Path) -> pathlib.Path:
     """The GGUF dequantized once into a float32 safetensors checkpoint, cached on disk.
 
@@ -231,6 +236,7 @@ def kv_blocks(
 
 __all__ = [
     "GGUF_NAME",
+    "checkpoint_dir",
     "PROMPT_TEXT",
     "gguf_path",
     "kv_array",

@@ -1,0 +1,396 @@
+"""``PyExecutorEmulator``: TensorRT-LLM's PyExecutor with a connector, on a real model.
+
+Construction follows ``py_executor_creator.py`` and ``PyExecutor.__init__``:
+
+1. creator checks: the ``GUARANTEED_NO_EVICT`` policy and no CUDA graphs;
+2. the connector classes (given, or imported from ``llm_args.kv_connector_config`` with
+   ``importlib``) are built concurrently in a 2-thread pool: the worker on every rank, the
+   scheduler on rank 0 only; ``worker.register_forward_pass_callable()``; the manager;
+3. ``_maybe_init_kv_connector_manager``: rejects PP/CP > 1, beam search, attention DP and a
+   host cache tier, then ``worker.register_kv_caches(pool)``, the layer hooks and
+   ``scheduler.wait_for_initialization()``.
+
+Rejections raise :class:`UnsupportedConfiguration`, which is both ``NotImplementedError``
+(what TensorRT-LLM raises) and ``ValueError``.
+
+Requests are submitted with :meth:`PyExecutorEmulator.submit` or
+:meth:`PyExecutorEmulator.generate`; the loop (:mod:`s3kv.emulator.loop`) runs only while
+one of those, :meth:`~PyExecutorEmulator.step` or :meth:`~PyExecutorEmulator.drain` is
+called, like TensorRT-LLM's loop, which blocks on its request queue when idle. Under tensor
+parallelism every rank constructs its own executor and makes the same calls in the same
+order (see :mod:`s3kv.emulator.parallel`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from s3kv.connector.api import KvCacheConnectorScheduler, KvCacheConnectorWorker
+from s3kv.connector.comm import Collectives, get_collectives
+from s3kv.emulator.connector_manager import KvCacheConnectorManager
+from s3kv.emulator.kv_cache_manager import KVCacheManager
+from s3kv.emulator.llm_args import CapacitySchedulerPolicy, TorchLlmArgs
+from s3kv.emulator.loop import ExecutorLoop, Tracked
+from s3kv.emulator.model import PagedLlama
+from s3kv.emulator.request import LlmRequest
+from s3kv.emulator.scheduler import RequestScheduler
+
+ModelSource = PagedLlama | Callable[[int, int], PagedLlama]
+
+
+class UnsupportedConfiguration(NotImplementedError, ValueError):  # noqa: N818
+    """A configuration TensorRT-LLM (or this emulator) refuses at construction."""
+
+
+class EmulatorStall(RuntimeError):  # noqa: N818
+    """The loop can make no progress (e.g. an async transfer never reported finished)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class GenerationResult:
+    """One finished request.
+
+    Attributes:
+        request_id: The runtime's id (starts at ``max_batch_size``, as in TensorRT-LLM).
+        prompt_tokens: The prompt.
+        output_tokens: Greedy tokens generated (``max_new_tokens`` of them).
+        reused_tokens: Prompt tokens matched in the local reuse tree.
+        connector_tokens: Prompt tokens the connector claimed.
+        computed_tokens: Prompt tokens computed by the forward passes.
+        loaded_async: The connector loaded asynchronously (the request was parked).
+        ttft_s: Wall seconds from submission to the first generated token.
+        latency_s: Wall seconds from submission to the last generated token.
+    """
+
+    request_id: int
+    prompt_tokens: tuple[int, ...]
+    output_tokens: tuple[int, ...]
+    reused_tokens: int
+    connector_tokens: int
+    computed_tokens: int
+    loaded_async: bool
+    ttft_s: float
+    latency_s: float
+
+
+class PyExecutorEmulator:
+    """An emulated TensorRT-LLM PyExecutor (V1 KV cache manager) for one rank."""
+
+    def __init__(
+        self,
+        llm_args: TorchLlmArgs,
+        model: ModelSource,
+        *,
+        num_blocks: int,
+        connector_scheduler_cls: type[KvCacheConnectorScheduler] | None = None,
+        connector_worker_cls: type[KvCacheConnectorWorker] | None = None,
+        overlap: bool | None = None,
+        stream: Any = None,
+        collectives: Collectives | None = None,
+        stall_timeout_s: float = 60.0,
+    ) -> None:
+        """Build the executor, its KV pool and (optionally) the connector.
+
+        Args:
+            llm_args: The configuration both connector classes are constructed with.
+            model: This rank's :class:`PagedLlama`, or ``factory(rank, world_size)``.
+            num_blocks: KV blocks in the pool.
+            connector_scheduler_cls: Scheduler class; with ``connector_worker_cls``
+                overrides ``llm_args.kv_connector_config``. Neither and no config: no
+                connector.
+            connector_worker_cls: Worker class.
+            overlap: Run the overlap loop; ``None`` follows
+                ``not llm_args.disable_overlap_scheduler``.
+            stream: Passed as ``stream`` to the worker; ``None`` means
+                ``torch.cuda.current_stream()`` on a CUDA model and ``None`` on the CPU.
+            collectives: Rank and collectives; default
+                :func:`s3kv.connector.comm.get_collectives`.
+            stall_timeout_s: Idle seconds (nothing scheduled, transfers pending) before
+                :class:`EmulatorStall`.
+
+        Raises:
+            UnsupportedConfiguration: A configuration TensorRT-LLM rejects with a connector,
+                or one this emulator does not model.
+            ValueError: Inconsistent arguments (block size, TP size, one class only).
+        """
+        self.llm_args = llm_args
+        self.collectives = collectives if collectives is not None else get_collectives()
+        rank, world = self.collectives.rank, self.collectives.world_size
+        self.model = model if isinstance(model, PagedLlama) else model(rank, world)
+        self._stream = stream
+        self._stall_timeout_s = stall_timeout_s
+        self._idle_since: float | None = None
+        kv_config = llm_args.kv_cache_config
+        tpb = kv_config.tokens_per_block
+        if self.model.geometry.tokens_per_block != tpb:
+            raise ValueError(
+                f"model: tokens_per_block is {self.model.geometry.tokens_per_block}, "
+                f"llm_args.kv_cache_config.tokens_per_block is {tpb}"
+            )
+        if llm_args.tensor_parallel_size != world or self.model.tp_size != world:
+            raise ValueError(
+                f"tensor_parallel_size: llm_args {llm_args.tensor_parallel_size}, model "
+                f"{self.model.tp_size}, process group {world}: all three must agree"
+            )
+        self.overlap = not llm_args.disable_overlap_scheduler if overlap is None else overlap
+        classes = _connector_classes(llm_args, connector_scheduler_cls, connector_worker_cls)
+        self.connector_manager: KvCacheConnectorManager | None = None
+        forward_callable = None
+        if classes is not None:
+            _check_creator_envelope(llm_args)
+            worker, scheduler = _instantiate(llm_args, *classes, rank=rank)
+            forward_callable = worker.register_forward_pass_callable()
+            self.connector_manager = KvCacheConnectorManager(
+                worker, scheduler, collectives=self.collectives, stream=self.current_stream
+            )
+        _check_executor_envelope(llm_args, connector=classes is not None)
+        self.pool = self.model.new_pool(num_blocks)
+        self.kv_cache_manager = KVCacheManager(
+            num_blocks=num_blocks,
+            tokens_per_block=tpb,
+            enable_block_reuse=kv_config.enable_block_reuse,
+            enable_partial_reuse=kv_config.enable_partial_reuse,
+            copy_on_partial_reuse=kv_config.copy_on_partial_reuse,
+            pool=self.pool,
+            connector_manager=self.connector_manager,
+        )
+        self._loop = ExecutorLoop(
+            model=self.model,
+            pool=self.pool,
+            kv=self.kv_cache_manager,
+            scheduler=RequestScheduler(
+                self.kv_cache_manager,
+                max_batch_size=llm_args.max_batch_size,
+                max_num_tokens=llm_args.max_num_tokens,
+                enable_chunked_prefill=llm_args.enable_chunked_prefill,
+                tokens_per_block=tpb,
+            ),
+            connector=self.connector_manager,
+            forward_callable=forward_callable,
+            overlap=self.overlap,
+            stream=self.current_stream,
+            clock=time.perf_counter,
+        )
+        # NOTE: the first max_batch_size ids are reserved for dummy requests upstream.
+        self._next_id = llm_args.max_batch_size
+        if self.connector_manager is not None:
+            self.connector_manager.worker.register_kv_caches(
+                self.kv_cache_manager.get_unique_primary_pool()
+            )
+            self.connector_manager.wait_for_initialization()
+
+    # --- public API ---
+
+    def current_stream(self) -> Any:
+        """The stream handed to the worker (``torch.cuda.current_stream()`` upstream)."""
+        if self._stream is not None or self.model.device.type != "cuda":
+            return self._stream
+        import torch
+
+        return torch.cuda.current_stream()
+
+    @property
+    def iterations(self) -> int:
+        """Executor iterations run so far."""
+        return self._loop.iterations
+
+    @property
+    def forward_passes(self) -> int:
+        """Forward passes run so far."""
+        return self._loop.forward_passes
+
+    def submit(
+        self, prompt: Sequence[int], max_new_tokens: int, *, cache_salt: str | None = None
+    ) -> int:
+        """Queue one request; returns its id. Nothing runs until the loop is driven.
+
+        Raises:
+            ValueError: Empty prompt, a token outside the vocabulary, a prompt longer than
+                ``max_num_tokens`` without chunked prefill, or a request that could never
+                fit in the pool.
+        """
+        args = self.llm_args
+        if not args.enable_chunked_prefill and len(prompt) > args.max_num_tokens:
+            raise ValueError(
+                f"prompt: {len(prompt)} tokens exceed max_num_tokens ({args.max_num_tokens}) "
+                "and chunked prefill is disabled"
+            )
+        if any(not 0 <= int(t) < self.model.vocab_size for t in prompt):
+            raise ValueError(f"prompt: token ids must be in [0, {self.model.vocab_size})")
+        request = LlmRequest(self._next_id, prompt, max_new_tokens, cache_salt=cache_salt)
+        needed = self.kv_cache_manager.blocks_to_completion(request)
+        if needed > self.pool.shape[0]:
+            raise ValueError(f"request: needs {needed} blocks, the pool has {self.pool.shape[0]}")
+        self._next_id += 1
+        self._loop.active.append(request)
+        self._loop.tracked[request.request_id] = Tracked(request, time.perf_counter())
+        return request.request_id
+
+    def generate(
+        self,
+        prompts: Sequence[Sequence[int]],
+        max_new_tokens: int,
+        *,
+        cache_salt: str | None = None,
+    ) -> list[GenerationResult]:
+        """Submit ``prompts`` together and run until all of them have finished generating.
+
+        Async saves may still hold blocks afterwards; :meth:`drain` waits for them.
+        """
+        ids = [self.submit(p, max_new_tokens, cache_salt=cache_salt) for p in prompts]
+        self.run_until_complete(ids)
+        return [self.result(rid) for rid in ids]
+
+    def run_until_complete(self, request_ids: Sequence[int]) -> None:
+        """Iterate until every request in ``request_ids`` has finished generating."""
+        while not all(self.is_finished(rid) for rid in request_ids):
+            self._checked_step()
+
+    def drain(self) -> None:
+        """Iterate until no request is active and no async transfer is pending."""
+        while self._loop.active or self._transfers_pending():
+            self._checked_step()
+
+    def step(self) -> bool:
+        """Run one iteration; whether anything moved."""
+        return self._loop.step()
+
+    def is_finished(self, request_id: int) -> bool:
+        """Whether the request has finished generating (its blocks may still be saving)."""
+        return self._loop.tracked[request_id].finished is not None
+
+    def result(self, request_id: int) -> GenerationResult:
+        """The result of a finished request.
+
+        Raises:
+            KeyError: Unknown id.
+            RuntimeError: The request has not finished.
+        """
+        tracked = self._loop.tracked[request_id]
+        if tracked.finished is None or tracked.first_token is None:
+            raise RuntimeError(f"request {request_id} has not finished")
+        req = tracked.request
+        stats = self.kv_cache_manager.prefix_stats[request_id]
+        tokens = req.get_tokens(0)
+        return GenerationResult(
+            request_id=request_id,
+            prompt_tokens=tuple(tokens[: req.prompt_len]),
+            output_tokens=tuple(tokens[req.prompt_len :]),
+            reused_tokens=stats.reused_tokens,
+            connector_tokens=stats.connector_tokens,
+            computed_tokens=req.prompt_len - stats.reused_tokens - stats.connector_tokens,
+            loaded_async=tracked.loaded_async,
+            ttft_s=tracked.first_token - tracked.submitted,
+            latency_s=tracked.finished - tracked.submitted,
+        )
+
+    # --- internals ---
+
+    def _transfers_pending(self) -> bool:
+        manager = self.connector_manager
+        return manager is not None and manager.has_pending_transfers()
+
+    def _checked_step(self) -> None:
+        if self._loop.step():
+            self._idle_since = None
+            return
+        if not self._transfers_pending():
+            raise EmulatorStall(
+                f"no progress and nothing pending: {len(self._loop.active)} active requests "
+                f"cannot be scheduled with {self.kv_cache_manager.get_num_free_blocks()} "
+                "free blocks"
+            )
+        now = time.monotonic()
+        since = now if self._idle_since is None else self._idle_since
+        self._idle_since = since
+        # NOTE: idle iterations are identical on every rank, so rank 0's clock decides for
+        # all of them in one broadcast; each rank's own clock could disagree and deadlock.
+        stalled = self.collectives.broadcast(now - since > self._stall_timeout_s, root=0)
+        if stalled:
+            raise EmulatorStall(
+                f"async transfers pending for {self._stall_timeout_s} s with nothing "
+                "else to run: get_finished never returned them on every rank"
+            )
+        time.sleep(0.001)  # NOTE: let the connector's threads run; TRT-LLM would spin
+
+
+def _connector_classes(
+    llm_args: TorchLlmArgs,
+    scheduler_cls: type[KvCacheConnectorScheduler] | None,
+    worker_cls: type[KvCacheConnectorWorker] | None,
+) -> tuple[type[KvCacheConnectorWorker], type[KvCacheConnectorScheduler]] | None:
+    if (scheduler_cls is None) != (worker_cls is None):
+        raise ValueError("connector_scheduler_cls and connector_worker_cls go together")
+    if worker_cls is not None and scheduler_cls is not None:
+        return worker_cls, scheduler_cls
+    config = llm_args.kv_connector_config
+    if config is None:
+        return None
+    module = importlib.import_module(config.connector_module)
+    return (
+        getattr(module, config.connector_worker_class),
+        getattr(module, config.connector_scheduler_class),
+    )
+
+
+def _instantiate(
+    llm_args: TorchLlmArgs,
+    worker_cls: type[KvCacheConnectorWorker],
+    scheduler_cls: type[KvCacheConnectorScheduler],
+    *,
+    rank: int,
+) -> tuple[KvCacheConnectorWorker, KvCacheConnectorScheduler | None]:
+    # NOTE: concurrently, as upstream: either side may wait for the other at construction.
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        worker_task = pool.submit(worker_cls, llm_args)
+        scheduler = pool.submit(scheduler_cls, llm_args).result() if rank == 0 else None
+        return worker_task.result(), scheduler
+
+
+def _check_creator_envelope(llm_args: TorchLlmArgs) -> None:
+    if llm_args.cuda_graph_config is not None:
+        raise UnsupportedConfiguration("CUDA graphs are not supported with KV connector hooks.")
+    policy = llm_args.scheduler_config.capacity_scheduler_policy
+    if policy != CapacitySchedulerPolicy.GUARANTEED_NO_EVICT:
+        raise UnsupportedConfiguration(
+            "KV connector is only supported with guaranteed no evict scheduler policy."
+        )
+
+
+def _check_executor_envelope(llm_args: TorchLlmArgs, *, connector: bool) -> None:
+    checks = [
+        (
+            llm_args.pipeline_parallel_size > 1 or llm_args.context_parallel_size > 1,
+            "pipeline or context parallelism",
+        ),
+        (llm_args.max_beam_width > 1, "beam search (max_beam_width > 1)"),
+        (llm_args.enable_attention_dp, "attention data parallelism (enable_attention_dp)"),
+        (
+            bool(llm_args.kv_cache_config.host_cache_size),
+            "KV cache host offloading (KvCacheConfig.host_cache_size)",
+        ),
+        (llm_args.cuda_graph_config is not None, "CUDA graphs (cuda_graph_config)"),
+        (
+            llm_args.scheduler_config.capacity_scheduler_policy
+            != CapacitySchedulerPolicy.GUARANTEED_NO_EVICT,
+            "a capacity scheduler policy other than GUARANTEED_NO_EVICT",
+        ),
+    ]
+    for failed, what in checks:
+        if failed and connector:
+            raise UnsupportedConfiguration(f"KV Cache Connector is not supported with {what}.")
+        if failed:
+            raise UnsupportedConfiguration(f"the emulator does not model {what}")
+
+
+__all__ = [
+    "EmulatorStall",
+    "GenerationResult",
+    "PyExecutorEmulator",
+    "UnsupportedConfiguration",
+]

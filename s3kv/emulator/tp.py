@@ -1,0 +1,187 @@
+"""Run a function on several tensor-parallel ranks, one spawned process each.
+
+:func:`spawn_ranks` starts ``world_size`` processes with the ``spawn`` start method, joins
+them into a ``torch.distributed`` default group (gloo on loopback by default) and returns
+what ``fn`` returned on each rank. A rank that raises, dies, or outlives the timeout fails
+the whole call, and the other ranks are terminated: a rank left waiting in a collective for
+a dead peer would otherwise hang forever.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import pickle
+import socket
+import time
+import traceback
+from collections.abc import Callable
+from multiprocessing.connection import Connection, wait
+from typing import Any, TypeVar
+
+import torch.multiprocessing as mp
+from torch import distributed as dist
+
+T = TypeVar("T")
+
+#: Seconds to wait for the other ranks' reports once one rank has failed.
+_FAILURE_GRACE_S = 5.0
+
+
+class RankError(RuntimeError):
+    """A rank raised or died; the message carries its traceback text when there is one."""
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago (bind to port 0, then close)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+def spawn_ranks(
+    fn: Callable[..., T],
+    world_size: int,
+    *args: Any,
+    timeout: float = 300.0,
+    backend: str = "gloo",
+    threads_per_rank: int | None = None,
+) -> list[T]:
+    """Call ``fn(rank, world_size, *args)`` on ``world_size`` spawned ranks.
+
+    Each rank runs ``torch.distributed.init_process_group(backend, init_method=
+    "tcp://127.0.0.1:PORT")`` before ``fn``, so ``fn`` may use the default group
+    (``process_group=None``), and destroys it afterwards. With ``backend="nccl"`` rank ``r``
+    first selects CUDA device ``r``.
+
+    Args:
+        fn: A module-level (picklable by reference) function. Its return value travels back
+            by ``pickle``: return CPU tensors or plain data.
+        world_size: Number of ranks, >= 1.
+        *args: Passed to ``fn`` after ``rank, world_size``; must be picklable.
+        timeout: Seconds for the whole call, including process start-up (~2 s for torch).
+        backend: ``torch.distributed`` backend.
+        threads_per_rank: ``torch.set_num_threads`` in each rank; ``None`` divides the
+            machine's cores among the ranks so that they do not oversubscribe them.
+
+    Returns:
+        ``fn``'s return value for rank 0, 1, ... in rank order.
+
+    Raises:
+        RankError: A rank raised (its traceback is in the message) or exited without a result.
+        TimeoutError: Not every rank answered within ``timeout``.
+        ValueError: ``world_size < 1``.
+    """
+    if world_size < 1:
+        raise ValueError(f"world_size: must be >= 1, got {world_size}")
+    if threads_per_rank is None:
+        threads_per_rank = max(1, (os.cpu_count() or 1) // world_size)
+    ctx = mp.get_context("spawn")
+    port = free_port()
+    # NOTE: one pipe per rank rather than a shared queue: the parent can then block on
+    # "a result or a process exit" with connection.wait, without polling.
+    pipes = [ctx.Pipe(duplex=False) for _ in range(world_size)]
+    procs = [
+        ctx.Process(
+            target=_rank_main,
+            args=(rank, world_size, port, backend, threads_per_rank, timeout, fn, args, send),
+            name=f"s3kv-tp-rank{rank}",
+            daemon=True,
+        )
+        for rank, (_, send) in enumerate(pipes)
+    ]
+    for proc in procs:
+        proc.start()
+    for _, send in pipes:
+        send.close()  # NOTE: only the child holds the write end, so its exit reads as EOF
+    try:
+        return _collect([recv for recv, _ in pipes], procs, timeout)
+    finally:
+        for proc in procs:
+            if proc.is_alive():
+                proc.terminate()
+            proc.join()
+        for recv, _ in pipes:
+            recv.close()
+
+
+def _collect(conns: list[Connection], procs: list[Any], timeout: float) -> list[Any]:
+    results: dict[int, Any] = {}
+    failures: list[tuple[float, int, str]] = []  # (when, rank, what)
+    pending = dict(enumerate(conns))
+    deadline = time.monotonic() + timeout
+    in_grace = False
+    while pending:
+        remaining = deadline - time.monotonic()
+        ready = wait(list(pending.values()), timeout=max(0.0, remaining))
+        if not ready:
+            if failures:
+                break  # the grace period for secondary failures is over
+            raise TimeoutError(f"ranks {sorted(pending)} did not finish within {timeout} s")
+        for rank, conn in list(pending.items()):
+            if conn not in ready:
+                continue
+            del pending[rank]
+            try:
+                status, when, payload = pickle.loads(conn.recv_bytes())
+            except EOFError:
+                procs[rank].join()
+                status, when = "error", time.time()
+                payload = f"exited with code {procs[rank].exitcode} without a result"
+            if status == "ok":
+                results[rank] = payload
+            else:
+                failures.append((when, rank, payload))
+        if failures and not in_grace:
+            # NOTE: one failing rank usually makes its peers fail in their next collective
+            # ("connection closed by peer"). Give them a moment to report, then name the
+            # rank that failed first, whose traceback is the cause.
+            deadline = min(deadline, time.monotonic() + _FAILURE_GRACE_S)
+            in_grace = True
+    if failures:
+        failures.sort()
+        _, rank, what = failures[0]
+        others = "".join(f"\n\nrank {r} also failed:\n{w}" for _, r, w in failures[1:])
+        raise RankError(f"rank {rank} failed:\n{what}{others}")
+    return [results[rank] for rank in range(len(conns))]
+
+
+def _rank_main(
+    rank: int,
+    world_size: int,
+    port: int,
+    backend: str,
+    threads: int,
+    timeout: float,
+    fn: Callable[..., Any],
+    args: tuple[Any, ...],
+    conn: Connection,
+) -> None:
+    try:
+        import torch
+
+        torch.set_num_threads(threads)
+        if backend == "nccl":
+            torch.cuda.set_device(rank)
+        dist.init_process_group(
+            backend,
+            init_method=f"tcp://127.0.0.1:{port}",
+            rank=rank,
+            world_size=world_size,
+            timeout=datetime.timedelta(seconds=timeout),
+        )
+        result = fn(rank, world_size, *args)
+        payload = pickle.dumps(("ok", time.time(), result))
+    except BaseException:
+        # NOTE: BaseException too: a KeyboardInterrupt or SystemExit in fn must still reach
+        # the parent as a failure rather than as a silent exit. The report goes out before
+        # the group is torn down, so its timestamp precedes the peers' consequent failures.
+        payload = pickle.dumps(("error", time.time(), traceback.format_exc()))
+    conn.send_bytes(payload)
+    conn.close()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+__all__ = ["RankError", "free_port", "spawn_ranks"]
