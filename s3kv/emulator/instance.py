@@ -84,9 +84,10 @@ def llm_args_for(spec: InstanceSpec, model_path: str) -> TorchLlmArgs:
         max_num_tokens=spec.chunk_tokens or 8192,
         disable_overlap_scheduler=False,
         kv_cache_config=KvCacheConfig(
-            tokens_per_block=TOKENS_PER_BLOCK, enable_block_reuse=True,
+            tokens_per_block=TOKENS_PER_BLOCK,
+            enable_block_reuse=True,
             enable_partial_reuse=False,
-        ),  # fmt: skip
+        ),
         kv_connector_config=S3KV_CONNECTOR if spec.connector else None,
     )
 
@@ -118,8 +119,9 @@ def serve(rank: int, world: int, spec: InstanceSpec) -> InstanceReport:
     executor = PyExecutorEmulator(llm_args_for(spec, path), model, num_blocks=spec.num_blocks)
     report = InstanceReport(startup_s=time.perf_counter() - started)
     for prompt in spec.prompts:
-        (result,) = executor.generate([list(prompt)], spec.max_new_tokens,
-                                      cache_salt=spec.cache_salt)  # fmt: skip
+        (result,) = executor.generate(
+            [list(prompt)], spec.max_new_tokens, cache_salt=spec.cache_salt
+        )
         report.outputs.append(list(result.output_tokens))
         report.connector_tokens.append(result.connector_tokens)
         report.reused_tokens.append(result.reused_tokens)
@@ -147,8 +149,10 @@ def _connector_metrics() -> tuple[dict[str, float], int]:
     return merged, int(getattr(warm, "staged", 0))
 
 
-def serve_tensor_parallel(spec: InstanceSpec) -> InstanceReport:
-    """:func:`serve` on ``spec.tp_size`` ranks (processes); rank 0's report."""
-    if spec.tp_size == 1:
-        return serve(0, 1, spec)
+def run_instance(spec: InstanceSpec) -> InstanceReport:
+    """:func:`serve` in ``spec.tp_size`` *new* processes (one per rank); rank 0's report.
+
+    Even a single rank gets a fresh process: an instance is a process, and a redeploy is a
+    new one that knows only what the bucket holds.
+    """
     return run_tensor_parallel(spec.tp_size, serve, spec, timeout=900.0)[0]

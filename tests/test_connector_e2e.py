@@ -1,0 +1,125 @@
+"""End to end: SmolLM2 on the emulated TensorRT-LLM runtime, s3kv on a real S3 server.
+
+Every instance is a new process (a redeploy). Instance A answers a question behind a system
+prompt and saves; instance B warms from the bucket and answers a different question behind
+the same system prompt. B's greedy output must be token-identical to a run without any cache,
+and B must compute only the uncached suffix. Variants: chunked prefill, TP=2, a cache salt
+that must not match, a corrupted object.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
+
+import pytest
+
+from s3kv.emulator.instance import TOKENS_PER_BLOCK, InstanceReport, InstanceSpec, run_instance
+
+if TYPE_CHECKING:
+    from s3kv.local_s3 import LocalS3
+
+pytestmark = [pytest.mark.seaweedfs, pytest.mark.model]
+
+SYSTEM_BLOCKS = 8
+
+
+@pytest.fixture(scope="module")
+def prompts() -> dict[str, tuple[int, ...]]:
+    from s3kv.testing import smollm2
+
+    _, tokenizer = smollm2.load_model("float32")
+    system = tokenizer(smollm2.PROMPT_TEXT).input_ids[: SYSTEM_BLOCKS * TOKENS_PER_BLOCK]
+    ask = {
+        "a": "\nQuestion: what is the main risk in this report?\nAnswer:",
+        "b": "\nQuestion: who owns the follow-up actions?\nAnswer:",
+    }
+    return {k: tuple(system + tokenizer(v).input_ids) for k, v in ask.items()}
+
+
+@pytest.fixture
+def bucket(seaweedfs: LocalS3, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
+    name = f"e2e-{uuid.uuid4().hex[:12]}"
+    seaweedfs.client().create_bucket(Bucket=name)
+    for key, value in seaweedfs.env().items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.setenv("TLLM_S3KV_BUCKET", name)
+    monkeypatch.setenv("TLLM_S3KV_MANIFEST_FLUSH_INTERVAL", "0.2")
+    yield name
+
+
+def run(prompt: tuple[int, ...], **kwargs: object) -> InstanceReport:
+    return run_instance(InstanceSpec(prompts=(prompt,), **kwargs))  # type: ignore[arg-type]
+
+
+def assert_redeploy_hits(
+    prompts: dict[str, tuple[int, ...]], **kwargs: object
+) -> tuple[InstanceReport, InstanceReport]:
+    a = run(prompts["a"], **kwargs)
+    assert a.connector_tokens == [0], "nothing is cached before instance A"
+    assert a.metrics["save_completed"] >= SYSTEM_BLOCKS
+    b = run(prompts["b"], **kwargs)
+    reference = run(prompts["b"], connector=False, **kwargs)
+    assert b.outputs == reference.outputs, "loaded KV must give the same greedy tokens"
+    cached = SYSTEM_BLOCKS * TOKENS_PER_BLOCK
+    assert b.connector_tokens == [cached]
+    assert b.computed_tokens == [len(prompts["b"]) - cached], "only the suffix is computed"
+    assert reference.computed_tokens == [len(prompts["b"])]
+    return a, b
+
+
+def test_redeploy_warms_and_answers_identically(
+    bucket: str, prompts: dict[str, tuple[int, ...]]
+) -> None:
+    a, b = assert_redeploy_hits(prompts)
+    # Warm start staged the system prompt's blocks (and A's question block) before serving.
+    assert b.warm_blocks_staged == a.metrics["save_completed"]
+    assert b.metrics["prefetch_staged"] >= SYSTEM_BLOCKS
+    assert not any(name.startswith("corrupt_objects") for name in b.metrics)
+
+
+def test_chunked_prefill(bucket: str, prompts: dict[str, tuple[int, ...]]) -> None:
+    assert_redeploy_hits(prompts, chunk_tokens=64)
+
+
+def test_tensor_parallel_two_ranks(bucket: str, prompts: dict[str, tuple[int, ...]]) -> None:
+    a, b = assert_redeploy_hits(prompts, tp_size=2)
+    # Each rank wrote its own shard of every block.
+    assert a.metrics["save_completed"] % 2 == 0
+
+
+def test_cache_salt_must_not_match(bucket: str, prompts: dict[str, tuple[int, ...]]) -> None:
+    run(prompts["a"], cache_salt="tenant-a")
+    other = run(prompts["b"], cache_salt="tenant-b")
+    assert other.connector_tokens == [0], "another tenant's blocks are never claimed"
+    same = run(prompts["b"], cache_salt="tenant-a")
+    reference = run(prompts["b"], connector=False, cache_salt="tenant-a")
+    assert same.connector_tokens == [SYSTEM_BLOCKS * TOKENS_PER_BLOCK]
+    assert same.outputs == reference.outputs == other.outputs
+
+
+def test_corrupted_object_is_a_miss(
+    bucket: str, seaweedfs: LocalS3, prompts: dict[str, tuple[int, ...]]
+) -> None:
+    run(prompts["a"])
+    client = seaweedfs.client()
+    keys = sorted(
+        obj["Key"]
+        for page in client.get_paginator("list_objects_v2").paginate(Bucket=bucket)
+        for obj in page.get("Contents", [])
+        if "/blocks/" in obj["Key"]
+    )
+    from s3kv.keys import chain_hashes
+
+    block3 = chain_hashes(prompts["a"], TOKENS_PER_BLOCK)[3].hex()
+    (victim,) = [k for k in keys if k.endswith(block3)]
+    body = bytearray(client.get_object(Bucket=bucket, Key=victim)["Body"].read())
+    body[len(body) // 2] ^= 0x01
+    client.put_object(Bucket=bucket, Key=victim, Body=bytes(body))
+
+    b = run(prompts["b"])
+    reference = run(prompts["b"], connector=False)
+    assert b.outputs == reference.outputs
+    assert b.connector_tokens == [3 * TOKENS_PER_BLOCK], "the chain stops at the corrupt block"
+    assert b.metrics['corrupt_objects{kind="checksum"}'] >= 1
