@@ -10,7 +10,6 @@ that must not match, a corrupted object.
 from __future__ import annotations
 
 import uuid
-from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 import pytest
@@ -39,14 +38,14 @@ def prompts() -> dict[str, tuple[int, ...]]:
 
 
 @pytest.fixture
-def bucket(seaweedfs: LocalS3, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
+def bucket(seaweedfs: LocalS3, monkeypatch: pytest.MonkeyPatch) -> str:
     name = f"e2e-{uuid.uuid4().hex[:12]}"
     seaweedfs.client().create_bucket(Bucket=name)
     for key, value in seaweedfs.env().items():
         monkeypatch.setenv(key, value)
     monkeypatch.setenv("TLLM_S3KV_BUCKET", name)
     monkeypatch.setenv("TLLM_S3KV_MANIFEST_FLUSH_INTERVAL", "0.2")
-    yield name
+    return name
 
 
 def run(prompt: tuple[int, ...], **kwargs: object) -> InstanceReport:
@@ -84,7 +83,7 @@ def test_chunked_prefill(bucket: str, prompts: dict[str, tuple[int, ...]]) -> No
 
 
 def test_tensor_parallel_two_ranks(bucket: str, prompts: dict[str, tuple[int, ...]]) -> None:
-    a, b = assert_redeploy_hits(prompts, tp_size=2)
+    a, _ = assert_redeploy_hits(prompts, tp_size=2)
     # Each rank wrote its own shard of every block.
     assert a.metrics["save_completed"] % 2 == 0
 
