@@ -50,7 +50,7 @@ def main() -> int:
     system = [int(t) for t in rng.integers(0, 49152, size=system_len)]
     question_a = [int(t) for t in rng.integers(0, 49152, size=40)]
     question_b = [int(t) for t in rng.integers(0, 49152, size=40)]
-    blocks = (system_len + 40 + args.new_tokens) // TOKENS_PER_BLOCK + 4
+    blocks = 2 * ((system_len + 40 + args.new_tokens) // TOKENS_PER_BLOCK + 4)
     rows: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="s3kv-gpu-bucket-") as bucket:
         os.environ.update({
@@ -64,7 +64,7 @@ def main() -> int:
             return InstanceSpec(
                 prompts=(tuple(system + question),), max_new_tokens=args.new_tokens,
                 connector=connector, num_blocks=blocks, device=args.device,
-                random_weights_seed=7,
+                random_weights_seed=7, warmup_tokens=len(system) + 40,
             )  # fmt: skip
 
         started = time.perf_counter()
