@@ -25,7 +25,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 demo: env
-	$(PY) examples/store_demo.py
+	$(PY) examples/cpu_demo.py
 
 test: env
 	$(PY) -m pytest -q
