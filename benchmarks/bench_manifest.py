@@ -27,7 +27,7 @@ from typing import Any
 
 import numpy as np
 
-from s3kv.backend import Backend, Capabilities, DeleteResult, MemoryBackend, ObjectInfo
+from s3kv.backend import Backend, DelegatingBackend, DeleteResult, MemoryBackend, ObjectInfo
 from s3kv.bloom import BloomFilter
 from s3kv.config import S3KVConfig
 from s3kv.keys import ROOT_HASH, BlockHash, chain_hashes, manifest_prefix
@@ -57,20 +57,12 @@ def emit(metric: str, value: float, unit: str, **extra: Any) -> None:
     sys.stdout.flush()
 
 
-class CountingBackend(Backend):
+class CountingBackend(DelegatingBackend):
     """Delegates to ``inner`` and counts every request."""
 
     def __init__(self, inner: Backend) -> None:
-        self.inner = inner
+        super().__init__(inner)
         self.requests = 0
-
-    @property
-    def capabilities(self) -> Capabilities:
-        return self.inner.capabilities
-
-    @property
-    def description(self) -> str:
-        return "counting " + self.inner.description
 
     def get(self, key: str) -> bytes | None:
         self.requests += 1

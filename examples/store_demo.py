@@ -31,7 +31,7 @@ from typing import Any
 import numpy as np
 
 from s3kv import KVStore, ModelIdentity, S3KVConfig, chain_hashes
-from s3kv.backend import Backend, Capabilities, DeleteResult, ObjectInfo
+from s3kv.backend import Backend, DelegatingBackend, ObjectInfo
 from s3kv.keys import ROOT_HASH
 from s3kv.staging import NumpyAllocator
 from s3kv.testing import smollm2
@@ -83,39 +83,16 @@ def prompt_blocks() -> tuple[list[int], list[np.ndarray]]:  # type: ignore[type-
     return ids, blocks
 
 
-class ListRecorder(Backend):
+class ListRecorder(DelegatingBackend):
     """Passes through, remembering every prefix listed (to prove no block listing)."""
 
     def __init__(self, inner: Backend) -> None:
-        self.inner = inner
+        super().__init__(inner)
         self.listed: list[str] = []
-
-    @property
-    def capabilities(self) -> Capabilities:
-        return self.inner.capabilities
-
-    @property
-    def description(self) -> str:
-        return self.inner.description
-
-    def get(self, key: str) -> bytes | None:
-        return self.inner.get(key)
-
-    def put(self, key: str, data: bytes | memoryview, *, if_absent: bool = False) -> bool:
-        return self.inner.put(key, data, if_absent=if_absent)
-
-    def head(self, key: str) -> ObjectInfo | None:
-        return self.inner.head(key)
-
-    def delete_many(self, keys: Any) -> DeleteResult:
-        return self.inner.delete_many(keys)
 
     def list(self, prefix: str, *, start_after: str | None = None) -> Iterator[ObjectInfo]:
         self.listed.append(prefix)
         return self.inner.list(prefix, start_after=start_after)
-
-    def check(self) -> None:
-        self.inner.check()
 
 
 def role_save() -> dict[str, Any]:

@@ -197,3 +197,39 @@ class MemoryBackend(Backend):
         for key, size, modified in items:
             if start_after is None or key > start_after:
                 yield ObjectInfo(key, size, modified)
+
+
+class DelegatingBackend(Backend):
+    """Passes every call to ``inner``; subclass it to observe or alter a few operations."""
+
+    def __init__(self, inner: Backend) -> None:
+        self.inner = inner
+
+    @property
+    def capabilities(self) -> Capabilities:
+        return self.inner.capabilities
+
+    @property
+    def description(self) -> str:
+        return self.inner.description
+
+    def get(self, key: str) -> bytes | None:
+        return self.inner.get(key)
+
+    def put(self, key: str, data: bytes | memoryview, *, if_absent: bool = False) -> bool:
+        return self.inner.put(key, data, if_absent=if_absent)
+
+    def head(self, key: str) -> ObjectInfo | None:
+        return self.inner.head(key)
+
+    def delete_many(self, keys: Iterable[str]) -> DeleteResult:
+        return self.inner.delete_many(keys)
+
+    def list(self, prefix: str, *, start_after: str | None = None) -> Iterator[ObjectInfo]:
+        return self.inner.list(prefix, start_after=start_after)
+
+    def check(self) -> None:
+        self.inner.check()
+
+    def close(self) -> None:
+        self.inner.close()

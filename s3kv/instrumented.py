@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Iterator
 from typing import TypeVar
 
-from s3kv.backend import DELETE_BATCH, Backend, Capabilities, DeleteResult, ObjectInfo
+from s3kv.backend import DELETE_BATCH, Backend, DelegatingBackend, DeleteResult, ObjectInfo
 from s3kv.breaker import NEUTRAL_KINDS, CircuitBreaker
 from s3kv.errors import StorageError
 from s3kv.metrics import Metrics
@@ -13,7 +13,7 @@ from s3kv.metrics import Metrics
 T = TypeVar("T")
 
 
-class InstrumentedBackend(Backend):
+class InstrumentedBackend(DelegatingBackend):
     """Delegates to ``inner``; counts ``requests{op}``, ``request_errors{op,kind}`` and bytes.
 
     A ``list`` counts one request per page of 1000 keys (as S3 bills it); ``delete_many`` one
@@ -25,17 +25,9 @@ class InstrumentedBackend(Backend):
     def __init__(
         self, inner: Backend, metrics: Metrics, *, breaker: CircuitBreaker | None = None
     ) -> None:
-        self.inner = inner
+        super().__init__(inner)
         self.metrics = metrics
         self.breaker = breaker
-
-    @property
-    def capabilities(self) -> Capabilities:
-        return self.inner.capabilities
-
-    @property
-    def description(self) -> str:
-        return self.inner.description
 
     @property
     def healthy(self) -> bool:
@@ -90,6 +82,3 @@ class InstrumentedBackend(Backend):
 
     def check(self) -> None:
         self._call("head_bucket", self.inner.check)
-
-    def close(self) -> None:
-        self.inner.close()

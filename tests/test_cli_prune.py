@@ -8,12 +8,12 @@ manifest records with an injected clock, and prune runs "8 days from now", so th
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 
 import pytest
 from cli_support import DAY, Bucket, Clock, assert_one_error_line, invoke, parse_json
 
-from s3kv.backend import Backend, Capabilities, DeleteResult, ObjectInfo
+from s3kv.backend import Backend, DelegatingBackend, DeleteResult
 from s3kv.backend_s3 import S3Backend
 from s3kv.cli.context import Runtime
 from s3kv.errors import EndpointError
@@ -120,31 +120,12 @@ def test_human_output_is_a_table(moto_bucket: Bucket) -> None:
     assert "would delete 4 objects" in at_terminal.stdout
 
 
-class FailingDeletes(Backend):
+class FailingDeletes(DelegatingBackend):
     """Delegates to ``inner``; the ``fail_on``-th DeleteObjects call fails as a whole."""
 
     def __init__(self, inner: Backend, fail_on: int) -> None:
-        self.inner, self.fail_on, self.calls = inner, fail_on, 0
-
-    @property
-    def capabilities(self) -> Capabilities:
-        return self.inner.capabilities
-
-    @property
-    def description(self) -> str:
-        return self.inner.description
-
-    def get(self, key: str) -> bytes | None:
-        return self.inner.get(key)
-
-    def put(self, key: str, data: bytes | memoryview, *, if_absent: bool = False) -> bool:
-        return self.inner.put(key, data, if_absent=if_absent)
-
-    def head(self, key: str) -> ObjectInfo | None:
-        return self.inner.head(key)
-
-    def list(self, prefix: str, *, start_after: str | None = None) -> Iterator[ObjectInfo]:
-        return self.inner.list(prefix, start_after=start_after)
+        super().__init__(inner)
+        self.fail_on, self.calls = fail_on, 0
 
     def delete_many(self, keys: Iterable[str]) -> DeleteResult:
         self.calls += 1
