@@ -149,6 +149,7 @@ class KVStore:
         self._saving: set[BlockHash] = set()
         self._inflight_save_bytes = 0
         self._closed = False
+        self._probing = False
         self._log_failure = _OncePerKind()
 
     # --- construction ---
@@ -223,8 +224,36 @@ class KVStore:
 
     @property
     def healthy(self) -> bool:
-        """False while the circuit breaker says the bucket is unhealthy (claim nothing)."""
-        return self.backend.healthy
+        """False while the circuit breaker says the bucket is unhealthy (claim nothing).
+
+        Once the breaker's cooldown has passed (half-open), asking schedules one background
+        probe (HEAD bucket); its success closes the circuit, so recovery does not wait for
+        some other request to happen by.
+        """
+        breaker = self.backend.breaker
+        if breaker is None:
+            return True
+        state = breaker.state
+        if state is BreakerState.HALF_OPEN:
+            self._probe()
+        return state is BreakerState.CLOSED
+
+    def _probe(self) -> None:
+        with self._lock:
+            if self._probing or self._closed:
+                return
+            self._probing = True
+
+        def probe() -> None:
+            try:
+                self.backend.check()
+            except StorageError as exc:
+                self._log_failure("health probe", exc.kind, exc)
+            finally:
+                with self._lock:
+                    self._probing = False
+
+        self._pool.submit(Priority.PREFETCH, probe)
 
     def _breaker_open(self) -> bool:
         breaker = self.backend.breaker
