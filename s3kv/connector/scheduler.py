@@ -118,6 +118,10 @@ class SchedulerCore:
         maybe = shards.maybe(tail) if tail else 0
         if maybe:
             shards.prefetch(tail[:maybe])
+        metrics = shards.stores[0].metrics
+        metrics.inc("connector_requests")
+        metrics.inc("connector_claimed_tokens", claimed * tpb)
+        metrics.inc("connector_prompt_tokens", prompt_len)
         if claimed:
             state.claim_start = start
             state.claimed = candidates[:claimed]

@@ -136,6 +136,7 @@ class WorkerCore:
                 target = self.kv_cache[op.block_id].view(-1).view(torch.uint8)
                 target.copy_(torch.from_numpy(source), non_blocking=self.cuda)
                 self.loaded_blocks += 1
+        self.store.metrics.inc("connector_loaded_blocks", len(metadata.loads))
 
     def _load_source(self, op: LoadOp, arena: SlabArena | None) -> np.ndarray:
         if arena is not None:
@@ -170,7 +171,7 @@ class WorkerCore:
             buffer = self._buffers.acquire()
             if buffer is None:
                 self.dropped_saves += 1
-                self.store.metrics.inc("save_dropped")
+                self.store.metrics.inc("connector_save_buffers_full")
                 continue
             ops.append(op)
             buffers.append(buffer)
@@ -214,6 +215,7 @@ class WorkerCore:
                     on_consumed=functools.partial(self._buffers.release, buffer),
                 )  # fmt: skip
                 self.saved_blocks += 1
+                self.store.metrics.inc("connector_copied_blocks")
 
     def finished(self, finished_gen_req_ids: Sequence[int]) -> list[int]:
         """Requests (passed in now or earlier) whose device→host copies are all done here."""
