@@ -45,13 +45,16 @@ class InstrumentedBackend(DelegatingBackend):
             self.metrics.inc("requests", count, op=op)
             result = fn()
         except StorageError as exc:
-            self.metrics.inc("request_errors", op=op, kind=exc.kind)
-            if self.breaker is not None and exc.kind not in NEUTRAL_KINDS:
-                self.breaker.record_failure()
+            self._failed(op, exc)
             raise
         if self.breaker is not None:
             self.breaker.record_success()
         return result
+
+    def _failed(self, op: str, exc: StorageError) -> None:
+        self.metrics.inc("request_errors", op=op, kind=exc.kind)
+        if self.breaker is not None and exc.kind not in NEUTRAL_KINDS:
+            self.breaker.record_failure()
 
     def get(self, key: str) -> bytes | None:
         data = self._call("get", lambda: self.inner.get(key))
@@ -74,11 +77,25 @@ class InstrumentedBackend(DelegatingBackend):
         return self._call("delete", lambda: self.inner.delete_many(key_list), batches)
 
     def list(self, prefix: str, *, start_after: str | None = None) -> Iterator[ObjectInfo]:
-        # NOTE: materialized page by page inside _call so errors count where they happen.
-        pages = self._call("list", lambda: list(self.inner.list(prefix, start_after=start_after)))
-        if len(pages) > DELETE_BATCH:
-            self.metrics.inc("requests", (len(pages) - 1) // DELETE_BATCH, op="list")
-        return iter(pages)
+        # NOTE: streamed, so listing a huge prefix holds one page at a time; one request is
+        # counted per page of 1000 keys, and the outcome reaches the breaker at the end.
+        if self.breaker is not None:
+            try:
+                self.breaker.before_request()
+            except StorageError as exc:
+                self._failed("list", exc)
+                raise
+        self.metrics.inc("requests", op="list")
+        try:
+            for n, info in enumerate(self.inner.list(prefix, start_after=start_after), 1):
+                if n % DELETE_BATCH == 0:
+                    self.metrics.inc("requests", op="list")
+                yield info
+        except StorageError as exc:
+            self._failed("list", exc)
+            raise
+        if self.breaker is not None:
+            self.breaker.record_success()
 
     def check(self) -> None:
         self._call("head_bucket", self.inner.check)
