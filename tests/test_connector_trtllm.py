@@ -242,3 +242,28 @@ def test_missing_bucket_turns_off_not_raises(
         assert any("no-such-bucket-here" in r.getMessage() for r in caplog.records)
     finally:
         process_state().close_all()
+
+
+def test_staging_arena_is_shared_and_leaves_nothing_behind(tmp_path: Any) -> None:
+    import os
+    import subprocess
+    import sys
+
+    from s3kv.connector.arena import SlabArena
+
+    before = set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
+    arena = SlabArena.create(16, 64, tag="t")
+    slot = arena.allocate(16)
+    slot[:] = 7
+    index = arena.slot_of(slot)
+    # Another process maps the region by rank 0's descriptor path and reads the slot.
+    code = (
+        "from s3kv.connector.arena import SlabArena; "
+        f"a = SlabArena.attach({arena.path!r}, 16); print(a.view({index}).tolist())"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == str([7] * 16)
+    after = set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
+    assert after == before, "no named shared-memory file may exist (it would leak on a crash)"
+    del slot
+    arena.close()

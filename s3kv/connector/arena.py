@@ -2,12 +2,17 @@
 
 Under tensor parallelism every rank holds its own shard of each KV block, so a block may be
 claimed only when *every* shard is staged. The scheduler lives on rank 0 only, so rank 0
-stages all shards, each into a :class:`SlabArena`: a file in ``/dev/shm`` cut into fixed-size
-slots (all blocks of one shard have the same size). The metadata carries, per load, the slot
-index of each rank's shard; each worker maps the arena read-only and copies its slot into its
-own GPU block. The slot stays pinned in rank 0's staging until the next scheduler step, by
-which point every rank has finished the forward pass that consumed it (the executor's
-``get_finished`` all-gather orders the ranks).
+stages all shards, each into a :class:`SlabArena`: anonymous shared memory (``memfd``) cut
+into fixed-size slots (all blocks of one shard have the same size). The metadata carries,
+per load, the slot index of each rank's shard; each worker maps the arena read-only and
+copies its slot into its own GPU block. The slot stays pinned in rank 0's staging until the
+next scheduler step, by which point every rank has finished the forward pass that consumed
+it (the executor's ``get_finished`` all-gather orders the ranks).
+
+The memory has no name in any filesystem: other ranks open it through rank 0's file
+descriptor (``/proc/<pid>/fd/<fd>``), and the kernel frees it when the last process holding
+it exits — also when rank 0 is killed, so nothing can leak into ``/dev/shm``. Pages are
+allocated as they are first written, not up front.
 
 Where CUDA is available the mapping is registered as page-locked (``cudaHostRegister``) so
 host→GPU copies are asynchronous and run at full PCIe/NVLink-C2C speed.
@@ -22,8 +27,6 @@ import logging
 import mmap
 import os
 import threading
-import uuid
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -32,12 +35,6 @@ from s3kv.errors import ConfigError
 from s3kv.staging import HostBuffer
 
 logger = logging.getLogger(__name__)
-
-_SHM_DIR = Path("/dev/shm")
-
-
-def _arena_dir() -> Path:
-    return _SHM_DIR if _SHM_DIR.is_dir() else Path(os.environ.get("TMPDIR", "/tmp"))
 
 
 def _register_pinned(view: memoryview) -> bool:
@@ -57,23 +54,24 @@ def _register_pinned(view: memoryview) -> bool:
 
 
 class SlabArena:
-    """Fixed-size slots in one shared-memory file; a :class:`~s3kv.staging.HostAllocator`.
+    """Fixed-size slots in one shared-memory region; a :class:`~s3kv.staging.HostAllocator`.
 
     Args:
-        path: The backing file (in ``/dev/shm`` normally).
+        path: Where other processes open the region (``/proc/<pid>/fd/<fd>`` of the owner).
+        fd: The region's file descriptor, in this process.
         slot_bytes: Size of every slot (one block shard).
         slots: Number of slots.
-        owner: True in the creating process (it unlinks the file on :meth:`close`).
+        owner: True in the creating process (writes; the others map it read-only).
     """
 
-    def __init__(self, path: Path, slot_bytes: int, slots: int, *, owner: bool) -> None:
+    def __init__(self, path: str, fd: int, slot_bytes: int, slots: int, *, owner: bool) -> None:
         self.path = path
         self.slot_bytes = slot_bytes
         self.slots = slots
         self.owner = owner
-        with open(path, "r+b" if owner else "rb") as fh:
-            access = mmap.ACCESS_WRITE if owner else mmap.ACCESS_READ
-            self._mmap = mmap.mmap(fh.fileno(), slot_bytes * slots, access=access)
+        access = mmap.ACCESS_WRITE if owner else mmap.ACCESS_READ
+        self._fd = fd
+        self._mmap = mmap.mmap(fd, slot_bytes * slots, access=access)
         self._array = np.frombuffer(self._mmap, dtype=np.uint8)
         self.pinned = _register_pinned(memoryview(self._mmap)) if owner else False
         self._free = list(range(slots - 1, -1, -1))
@@ -81,31 +79,29 @@ class SlabArena:
 
     @classmethod
     def create(cls, slot_bytes: int, budget_bytes: int, *, tag: str = "") -> SlabArena:
-        """A new arena with as many slots as fit in ``budget_bytes`` (at least one).
+        """A new region with as many slots as fit in ``budget_bytes`` (at least one).
 
         Raises:
-            ConfigError: the shared-memory file cannot be created at that size (e.g. a
-                container's small ``/dev/shm``): names the setting to lower.
+            ConfigError: the region cannot be created (no ``memfd_create``, or memory limits):
+                names the setting to lower.
         """
         slots = max(1, budget_bytes // slot_bytes)
-        path = _arena_dir() / f"s3kv-{os.getpid()}-{tag}{uuid.uuid4().hex[:8]}"
         try:
-            with open(path, "wb") as fh:
-                os.posix_fallocate(fh.fileno(), 0, slot_bytes * slots)
-        except OSError as exc:
-            path.unlink(missing_ok=True)
+            fd = os.memfd_create(f"s3kv-staging-{tag}", os.MFD_CLOEXEC)
+            os.ftruncate(fd, slot_bytes * slots)
+        except (OSError, AttributeError) as exc:
             raise ConfigError(
-                f"staging_bytes: cannot allocate {slot_bytes * slots} bytes of shared memory "
-                f"in {path.parent} ({exc.strerror}); lower TLLM_S3KV_STAGING_BYTES or "
-                "enlarge /dev/shm (docker run --shm-size)"
+                f"staging_bytes: cannot create {slot_bytes * slots} bytes of shared memory "
+                f"({exc}); lower TLLM_S3KV_STAGING_BYTES"
             ) from exc
-        return cls(path, slot_bytes, slots, owner=True)
+        return cls(f"/proc/{os.getpid()}/fd/{fd}", fd, slot_bytes, slots, owner=True)
 
     @classmethod
     def attach(cls, path: str, slot_bytes: int) -> SlabArena:
-        """Map an arena created by another process, read-only."""
-        size = os.path.getsize(path)
-        return cls(Path(path), slot_bytes, size // slot_bytes, owner=False)
+        """Map a region created by another process of this host, read-only."""
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        size = os.fstat(fd).st_size
+        return cls(path, fd, slot_bytes, size // slot_bytes, owner=False)
 
     # --- HostAllocator ---
 
@@ -144,11 +140,10 @@ class SlabArena:
         return self._array[start : start + self.slot_bytes]
 
     def close(self) -> None:
-        """Unmap; the owner also removes the file (mappings elsewhere stay valid)."""
-        if self.owner:
-            self.path.unlink(missing_ok=True)
+        """Unmap and close; the memory is freed once no process holds it any more."""
         del self._array
         try:
             self._mmap.close()
         except BufferError:  # views still exported; the OS unmaps at exit
             logger.debug("s3kv: arena %s still has live views at close", self.path)
+        os.close(self._fd)

@@ -78,6 +78,8 @@ class SchedulerCore:
     Args:
         config: s3kv settings.
         tokens_per_block: The engine's block size in tokens.
+
+    Attributes (set by the adapter once the workers registered):
         shards: The stores of every TP shard (``None`` until the workers registered; until
             then nothing is claimed or saved).
         arenas: Per rank ``(path, slot_bytes)`` of the staging arenas (tensor parallel), or

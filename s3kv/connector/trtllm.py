@@ -37,7 +37,7 @@ from s3kv.connector.shared import ShardInfo, ShardStores, process_state
 from s3kv.connector.warm import WarmStart
 from s3kv.connector.worker import WorkerCore
 from s3kv.errors import S3KVError
-from s3kv.keys import BlockHash
+from s3kv.keys import UNKNOWN, BlockHash
 
 logger = logging.getLogger(__name__)
 
@@ -213,8 +213,13 @@ class S3KVConnectorWorker(WorkerBase):  # type: ignore[misc]
     @_guarded(lambda *a, **k: None)
     def register_kv_caches(self, kv_cache_tensor: Any) -> None:
         """Check the pool, agree with every rank, open this rank's store."""
-        info = self._describe(kv_cache_tensor)
-        # NOTE: a collective: every rank registers at the same point of startup.
+        # NOTE: collectives: every rank registers at the same point of startup. Rank 0 alone
+        # derives the weights revision (it may hash the whole checkpoint) and shares it.
+        config = self.config
+        revision = self._collectives.broadcast(
+            weights_revision(self._llm_args, config) if self.rank == 0 and config else UNKNOWN
+        )
+        info = self._describe(kv_cache_tensor, revision)
         shards = [ShardInfo(**s) for s in self._collectives.allgather(info.__dict__)]
         state = process_state()
         scheduler = getattr(state, "scheduler", None)
@@ -234,7 +239,7 @@ class S3KVConnectorWorker(WorkerBase):  # type: ignore[misc]
             self.rank, store, kv_cache_tensor, self.config.max_inflight_save_bytes
         )
 
-    def _describe(self, kv: Any) -> ShardInfo:
+    def _describe(self, kv: Any, revision: str) -> ShardInfo:
         host = socket.gethostname()
         nbytes = int(kv[0].numel() * kv.element_size()) if getattr(kv, "dim", None) else 0
         reason = self.off_reason or self._layout_problem(kv)
@@ -243,7 +248,7 @@ class S3KVConnectorWorker(WorkerBase):  # type: ignore[misc]
         identity = shard_identity(
             self._llm_args, self.config, kv_shape=tuple(kv.shape), kv_dtype=kv.dtype,
             tp_size=self.tp_size, tp_rank=self.rank,
-            revision=weights_revision(self._llm_args, self.config),
+            revision=revision,
         )  # fmt: skip
         return ShardInfo(self.rank, identity, "", nbytes, host)
 

@@ -108,9 +108,6 @@ class WorkerCore:
         self._awaiting: set[int] = set()
         self._forward_event: Any = None
         self._side_stream = torch.cuda.Stream(device=kv_cache.device) if self.cuda else None
-        self.loaded_blocks = 0
-        self.saved_blocks = 0
-        self.dropped_saves = 0
 
     # --- forward-pass event ---
 
@@ -135,7 +132,6 @@ class WorkerCore:
                 source = self._load_source(op, arena)
                 target = self.kv_cache[op.block_id].view(-1).view(torch.uint8)
                 target.copy_(torch.from_numpy(source), non_blocking=self.cuda)
-                self.loaded_blocks += 1
         self.store.metrics.inc("connector_loaded_blocks", len(metadata.loads))
 
     def _load_source(self, op: LoadOp, arena: SlabArena | None) -> np.ndarray:
@@ -170,7 +166,6 @@ class WorkerCore:
         for op in metadata.saves:
             buffer = self._buffers.acquire()
             if buffer is None:
-                self.dropped_saves += 1
                 self.store.metrics.inc("connector_save_buffers_full")
                 continue
             ops.append(op)
@@ -214,7 +209,6 @@ class WorkerCore:
                     dtype=self.dtype_name, shape=self.block_shape,
                     on_consumed=functools.partial(self._buffers.release, buffer),
                 )  # fmt: skip
-                self.saved_blocks += 1
                 self.store.metrics.inc("connector_copied_blocks")
 
     def finished(self, finished_gen_req_ids: Sequence[int]) -> list[int]:
