@@ -49,7 +49,6 @@ class _Request:
     loads_planned: bool = False
     saved_blocks: int = 0  # blocks [0, saved_blocks) planned or skipped
     saves_planned: int = 0
-    reported: bool = False
 
 
 def hash_args(request: Any) -> dict[str, Any]:
