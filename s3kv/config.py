@@ -172,6 +172,12 @@ class S3KVConfig:
     )
     warm_start_timeout: float = _duration(60.0, "Longest startup waits for warm staging.")
     save_decode_blocks: bool = _plain(False, "Also save blocks filled during decode.")
+    lora_revisions: str = _plain(
+        "",
+        "Immutable adapter revision per LoRA task id, as 'ID=REVISION,...' (e.g. "
+        "'7=commit:4f1e...,9=sha256:ab12...'). Task ids are numbers each deployment assigns, "
+        "so LoRA requests whose id is not listed are neither claimed nor saved.",
+    )
     breaker_failures: int = _plain(
         5, "Consecutive storage failures that open the circuit breaker (claim 0, save nothing)."
     )
@@ -197,6 +203,24 @@ class S3KVConfig:
         for ok, message in checks:
             if not ok:
                 raise ConfigError(message)
+        self.lora_revision_map()
+
+    def lora_revision_map(self) -> dict[int, str]:
+        """``lora_revisions`` parsed: adapter revision by LoRA task id.
+
+        Raises:
+            ConfigError: A malformed entry (names the setting and the entry).
+        """
+        mapping: dict[int, str] = {}
+        for entry in filter(None, (e.strip() for e in self.lora_revisions.split(","))):
+            task, sep, revision = entry.partition("=")
+            if not sep or not task.strip().isdigit() or not revision.strip():
+                raise ConfigError(
+                    f"lora_revisions: entry {entry!r} is not TASK_ID=REVISION "
+                    "(e.g. 7=commit:4f1e...)"
+                )
+            mapping[int(task)] = revision.strip()
+        return mapping
 
     @property
     def key_prefix(self) -> str:

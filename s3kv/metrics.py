@@ -45,6 +45,19 @@ _HELP: Mapping[str, str] = {
     "connector_loaded_blocks": "Blocks copied from host staging into the KV pool.",
     "connector_copied_blocks": "Full blocks copied from the KV pool to host and handed to saves.",
     "connector_save_buffers_full": "Saves dropped because the host copy buffers were exhausted.",
+    "connector_save_errors": "Saves dropped because handing them to the store failed.",
+    "connector_save_planning_errors": "Requests whose save planning failed (saves dropped).",
+    "connector_uncacheable_requests": (
+        "Requests neither claimed nor saved: key inputs s3kv cannot see (unmapped LoRA task "
+        "id, p-tuning prompt table)."
+    ),
+    "connector_forgotten_requests": (
+        "Requests forgotten after missing from the scheduler output (cancelled or failed "
+        "requests TensorRT-LLM frees without request_finished)."
+    ),
+    "connector_unhonoured_blocks": (
+        "Claimed blocks KVCacheManagerV2 did not honour (unpinned, computed instead)."
+    ),
     "warm_blocks_planned": "Blocks warm start chose to stage (gauge).",
     "warm_blocks_staged": "Blocks warm start staged (gauge).",
     "warm_ready": "1 once warm start finished (gauge).",

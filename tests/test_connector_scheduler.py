@@ -11,6 +11,7 @@ import pytest
 from s3kv.backend import MemoryBackend
 from s3kv.config import S3KVConfig
 from s3kv.connector.api import RequestData
+from s3kv.connector.completion import CompletionBoard
 from s3kv.connector.metadata import ConnectorMetadata
 from s3kv.connector.scheduler import SchedulerCore
 from s3kv.connector.shared import ShardStores
@@ -158,6 +159,10 @@ def first_report(rid: int, tokens: list[int], blocks: list[int], computed: int, 
     return RequestData(rid, list(tokens), list(blocks), computed, scheduled)
 
 
+def cached_report(rid: int, computed: int) -> RequestData:
+    return RequestData(rid, [], [], computed, 1)
+
+
 def test_metadata_loads_claims_and_saves_the_rest() -> None:
     core, _ = staged_core(n_blocks=2)
     request = FakeRequest(1, PROMPT)
@@ -215,16 +220,145 @@ def test_blocks_already_in_the_bucket_are_not_saved_again() -> None:
     assert core.request_finished(request) is False
 
 
-def test_pins_are_released_one_step_after_the_load() -> None:
+def test_pins_are_held_until_every_rank_reports_the_copies_completed() -> None:
+    # Defect 1 (overlap scheduler): the next scheduler step is no proof that the device
+    # copies of this step's loads have run; only the completion board is.
     core, store = staged_core(n_blocks=4)
     keys = chain_hashes(PROMPT, TPB)
     request = FakeRequest(1, PROMPT)
     core.get_num_new_matched_tokens(request, 0)
     core.update_state_after_alloc(request, [0, 1, 2, 3, 4])
-    core.build_connector_meta([first_report(1, PROMPT, [0, 1, 2, 3, 4], 0, 1)], [])
+    meta = core.build_connector_meta([first_report(1, PROMPT, [0, 1, 2, 3, 4], 0, 1)], [])
+    assert meta.load_seq == 1
     assert not store.staging.remove(keys[0]), "pinned during the iteration that loads it"
     core.build_connector_meta([], [])
-    assert store.staging.remove(keys[0]), "released at the next scheduler step"
+    core.build_connector_meta([], [])
+    assert not store.staging.remove(keys[0]), "still pinned: no rank reported completion"
+    core.board.publish(0, meta.load_seq)
+    core.build_connector_meta([], [])
+    assert store.staging.remove(keys[0]), "released once the copies completed"
+    assert core.held_load_batches == 0
+
+
+def test_tensor_parallel_pins_wait_for_the_slowest_rank() -> None:
+    core, store = staged_core(n_blocks=4)
+    core.board = CompletionBoard.private(world_size=2)
+    keys = chain_hashes(PROMPT, TPB)
+    request = FakeRequest(1, PROMPT)
+    core.get_num_new_matched_tokens(request, 0)
+    core.update_state_after_alloc(request, [0, 1, 2, 3, 4])
+    meta = core.build_connector_meta([first_report(1, PROMPT, [0, 1, 2, 3, 4], 0, 1)], [])
+    core.board.publish(0, meta.load_seq)
+    core.build_connector_meta([], [])
+    assert not store.staging.remove(keys[0]), "rank 1 has not finished copying"
+    core.board.publish(1, meta.load_seq)
+    core.build_connector_meta([], [])
+    assert store.staging.remove(keys[0])
+
+
+def test_a_failed_save_plan_keeps_the_claimed_loads(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Defect 4: the engine counts claimed tokens as computed before build_connector_meta;
+    # a failure while planning saves must never cost a load.
+    core, _ = staged_core(n_blocks=4)
+    request = FakeRequest(1, PROMPT)
+    assert core.get_num_new_matched_tokens(request, 0) == 16
+    core.update_state_after_alloc(request, [0, 1, 2, 3, 4])
+
+    def broken(*args: object, **kwargs: object) -> list[object]:
+        raise RuntimeError("injected")
+
+    monkeypatch.setattr(core, "_plan_saves", broken)
+    meta = core.build_connector_meta([first_report(1, PROMPT, [0, 1, 2, 3, 4], 0, 1)], [])
+    assert [op.block_id for op in meta.loads] == [0, 1, 2, 3]
+
+
+def test_take_metadata_hands_out_loads_planned_before_a_failure() -> None:
+    # The adapter's fallback when build_connector_meta raises outright.
+    core, _ = staged_core(n_blocks=4)
+    request = FakeRequest(1, PROMPT)
+    core.get_num_new_matched_tokens(request, 0)
+    core.update_state_after_alloc(request, [7, 8, 9, 10, 11])
+    meta = core.take_metadata()
+    assert [op.block_id for op in meta.loads] == [7, 8, 9, 10]
+    assert core.take_metadata().loads == (), "each load is handed out once"
+
+
+def test_loads_are_planned_from_the_first_report_when_alloc_state_was_lost() -> None:
+    core, _ = staged_core(n_blocks=4)
+    request = FakeRequest(1, PROMPT)
+    core.get_num_new_matched_tokens(request, 0)  # update_state_after_alloc never arrived
+    meta = core.build_connector_meta([first_report(1, PROMPT, [5, 6, 7, 8, 9], 0, 1)], [])
+    assert [op.block_id for op in meta.loads] == [5, 6, 7, 8]
+
+
+def test_requests_freed_without_request_finished_are_forgotten() -> None:
+    # Defect 6: TensorRT-LLM frees cancelled and failed requests without request_finished.
+    core, store = staged_core(n_blocks=4)
+    cancelled = FakeRequest(1, PROMPT)
+    core.get_num_new_matched_tokens(cancelled, 0)  # claimed and pinned, never scheduled
+    running = FakeRequest(2, [1, 2, 3, 4, 5])
+    core.get_num_new_matched_tokens(running, 0)
+    for _ in range(SchedulerCore.STALE_STEPS + 1):
+        core.build_connector_meta([], [cached_report(2, 5)])
+    assert core.tracked_requests == 1, "the running request is kept"
+    assert store.staging.remove(chain_hashes(PROMPT, TPB)[0]), "the cancelled claim unpinned"
+    assert store.metrics.value("connector_forgotten_requests") == 1
+
+
+@pytest.mark.parametrize(
+    ("attrs", "reason"),
+    [
+        ({"lora_task_id": 3}, "a LoRA task id with no configured adapter revision"),
+        ({"prompt_embedding_table": object()}, "a p-tuning prompt table"),
+    ],
+)
+def test_requests_with_invisible_key_inputs_are_neither_claimed_nor_saved(
+    attrs: dict[str, object], reason: str
+) -> None:
+    # Defect 8: inputs the connector cannot see must not share a key.
+    core, _ = staged_core(n_blocks=4)
+    request = FakeRequest(1, PROMPT)
+    for name, value in attrs.items():
+        setattr(request, name, value)
+    assert core.get_num_new_matched_tokens(request, 0) == 0, reason
+    core.update_state_after_alloc(request, [0, 1, 2, 3, 4])
+    meta = core.build_connector_meta([first_report(1, PROMPT, [0, 1, 2, 3, 4], 0, 17)], [])
+    assert meta.saves == () and meta.loads == (), reason
+
+
+def test_lora_requests_key_on_the_configured_adapter_revision() -> None:
+    backend = MemoryBackend()
+    store = make_store(backend)
+    config = S3KVConfig.load(environ={}, bucket="b", lora_revisions="3=commit:abc, 4=commit:def")
+    core = SchedulerCore(config, TPB)
+    core.shards = ShardStores([store])
+    request = FakeRequest(1, PROMPT, lora_task_id=3)
+    core.get_num_new_matched_tokens(request, 0)
+    core.update_state_after_alloc(request, [0, 1, 2, 3, 4])
+    meta = core.build_connector_meta([first_report(1, PROMPT, [0, 1, 2, 3, 4], 0, 17)], [])
+    keys_3 = [op.key for op in meta.saves]
+    assert len(keys_3) == 4
+    assert keys_3 != [bytes(k) for k in chain_hashes(PROMPT, TPB)]
+    other = FakeRequest(2, PROMPT, lora_task_id=4)
+    core.get_num_new_matched_tokens(other, 0)
+    meta = core.build_connector_meta([first_report(2, PROMPT, [5, 6, 7, 8, 9], 0, 17)], [])
+    assert {op.key for op in meta.saves}.isdisjoint(keys_3), "another adapter, other keys"
+
+
+def test_v2_loads_exactly_the_honoured_blocks_and_unpins_the_rest() -> None:
+    # Defect 5: KVCacheManagerV2 may honour fewer tokens than offered
+    # (commit_new_matched_tokens sets py_num_connector_matched_tokens before the alloc call).
+    core, store = staged_core(n_blocks=4)
+    core.manager = "v2"
+    keys = chain_hashes(PROMPT, TPB)
+    request = FakeRequest(1, PROMPT)
+    assert core.get_num_new_matched_tokens(request, 0) == 16
+    request.py_num_connector_matched_tokens = 8  # type: ignore[attr-defined]
+    core.update_state_after_alloc(request, [0, 1, 2])  # pages of the first chunk only
+    meta = core.build_connector_meta([first_report(1, PROMPT, [0, 1, 2], 0, 4)], [])
+    assert [op.block_id for op in meta.loads] == [0, 1]
+    assert store.staging.remove(keys[2]) and store.staging.remove(keys[3]), "tail unpinned"
+    assert not store.staging.remove(keys[0])
 
 
 def test_unscheduled_claim_is_released_at_finish() -> None:

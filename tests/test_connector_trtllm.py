@@ -225,7 +225,43 @@ def test_nothing_raises_into_the_engine(bucket_env: str, monkeypatch: pytest.Mon
     worker.bind_connector_meta(ConnectorMetadata())
     worker.start_load_kv(None)
     worker.wait_for_save(None)
-    assert worker.get_finished([3], [4]) == ([3], [4])
+    # Defect 3: the fallback returns nothing; returning the ids given would return them a
+    # second time later, and TensorRT-LLM's extract_by_id raises KeyError out of its loop.
+    assert worker.get_finished([3], [4]) == ([], [])
+
+
+def test_get_finished_returns_each_id_exactly_once_across_a_failure(
+    bucket_env: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _, worker = instance(pool())
+    core = worker.core
+    assert core is not None
+    real = core.finished
+
+    def fails_after_recording(ids: list[int]) -> list[int]:
+        core._awaiting.update(ids)  # what the real method does first
+        raise RuntimeError("injected after the ids were recorded")
+
+    monkeypatch.setattr(core, "finished", fails_after_recording)
+    assert worker.get_finished([3], []) == ([], [])
+    monkeypatch.setattr(core, "finished", real)
+    returned = [worker.get_finished([], [])[0] for _ in range(3)]
+    assert returned == [[3], [], []], "returned once, later, and never again"
+
+
+def test_finished_keeps_ids_when_polling_the_device_fails(
+    bucket_env: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _, worker = instance(pool())
+    core = worker.core
+    assert core is not None
+
+    def broken(*, block: bool) -> None:
+        raise RuntimeError("injected")
+
+    monkeypatch.setattr(core, "_drain", broken)
+    assert worker.get_finished([5], []) == ([5], [])
+    assert worker.get_finished([], []) == ([], [])
 
 
 def test_missing_bucket_turns_off_not_raises(

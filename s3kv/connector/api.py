@@ -47,6 +47,9 @@ class RequestData:
         priorities: Retention priority per new block (newer versions; may be ``None``).
         cache_salt: Cache salt string (newer versions; may be ``None``).
         block_hashes: TensorRT-LLM's 64-bit block hash chain (newer versions; unused here).
+        new_block_ids_by_layer_group: New page indices per layer group, ``-1`` for a block
+            without a page (KVCacheManagerV2, ``035ab91c``; with one group ``new_block_ids``
+            equals group 0).
     """
 
     request_id: int
@@ -57,6 +60,7 @@ class RequestData:
     priorities: list[int] | None = None
     cache_salt: str | None = None
     block_hashes: list[int] = field(default_factory=list)
+    new_block_ids_by_layer_group: list[list[int]] = field(default_factory=list)
 
 
 @dataclass

@@ -7,6 +7,8 @@ turns itself off with one clear log line instead of silently doing nothing.
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from typing import Any
 
 
@@ -51,7 +53,62 @@ def envelope_problems(llm_args: Any) -> list[str]:
             "kv_cache_config.dtype is NVFP4: its block scales live in a separate pool the "
             "connector cannot see"
         )
+    algo = kv_quant_algo(llm_args)
+    if algo is not None and "FP4" in algo:
+        problems.append(
+            f"KV cache quantization {algo}: FP4 KV keeps its block scales in a separate pool "
+            "the connector cannot see; use FP8 or unquantized KV with s3kv"
+        )
     return problems
+
+
+def kv_quant_algo(llm_args: Any) -> str | None:
+    """The KV cache quantization algorithm, upper-case, or ``None`` when there is none.
+
+    From ``llm_args.quant_config.kv_cache_quant_algo`` first, then the checkpoint:
+    ModelOpt's ``hf_quant_config.json`` (``quantization.kv_cache_quant_algo``) and
+    ``config.json``'s ``quantization_config`` (``kv_cache_quant_algo``), where TensorRT-LLM
+    reads it when it builds the model config.
+    """
+    algo = _get(llm_args, "quant_config.kv_cache_quant_algo")
+    if algo is not None:
+        return _algo_name(algo)
+    model = _get(llm_args, "model")
+    if not model:
+        return None
+    root = Path(str(model))
+    for name, path in (("hf_quant_config.json", ("quantization",)),
+                       ("config.json", ("quantization_config",))):  # fmt: skip
+        try:
+            data = json.loads((root / name).read_text())
+        except (OSError, ValueError):
+            continue
+        for part in path:
+            data = data.get(part) if isinstance(data, dict) else None
+        if isinstance(data, dict) and data.get("kv_cache_quant_algo"):
+            return _algo_name(data["kv_cache_quant_algo"])
+    return None
+
+
+def _algo_name(algo: Any) -> str:
+    text = str(getattr(algo, "name", None) or getattr(algo, "value", None) or algo)
+    return text.rsplit(".", 1)[-1].upper()
+
+
+def pool_dtype_problem(llm_args: Any, kv_dtype: str | None) -> str:
+    """Why a pool of ``kv_dtype`` (s3kv's name) cannot be served, or ''.
+
+    An int8/uint8 pool is INT8 KV only when the quantization config says so; otherwise it is
+    FP4 data packed two per byte (NVFP4 pools are allocated as int8 with half the elements),
+    whose scales s3kv would not save: restoring such blocks would give wrong outputs.
+    """
+    if kv_dtype in ("int8", "uint8") and kv_quant_algo(llm_args) != "INT8":
+        return (
+            f"the KV pool is {kv_dtype} but the quantization config does not say INT8 KV: "
+            "most likely NVFP4 packed data, whose block scales live in a separate pool; "
+            "s3kv refuses it"
+        )
+    return ""
 
 
 def envelope_warnings(llm_args: Any) -> list[str]:

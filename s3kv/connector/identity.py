@@ -85,17 +85,19 @@ def _hash_checkpoint(path: Path) -> str | None:
 
 
 def _quantization(llm_args: Any) -> str:
+    from s3kv.connector.envelope import kv_quant_algo
+
     quant = getattr(llm_args, "quant_config", None)
-    if quant is None:
+    algo = getattr(quant, "quant_algo", None) if quant is not None else None
+    kv_algo = kv_quant_algo(llm_args)
+    if quant is None and kv_algo is None:
         return "none"
-    algo = getattr(quant, "quant_algo", None)
-    kv_algo = getattr(quant, "kv_cache_quant_algo", None)
     return f"{algo or 'none'}/kv:{kv_algo or 'none'}"
 
 
 def shard_identity(
     llm_args: Any, config: S3KVConfig, *, kv_shape: tuple[int, ...], kv_dtype: Any,
-    tp_size: int, tp_rank: int, revision: str,
+    tp_size: int, tp_rank: int, revision: str, manager: str = "v1",
 ) -> ModelIdentity:  # fmt: skip
     """The identity of this rank's shard, from the registered tensor's shape and dtype.
 
@@ -107,6 +109,8 @@ def shard_identity(
         tp_size: Tensor-parallel world size.
         tp_rank: This rank.
         revision: From :func:`weights_revision`.
+        manager: ``"v1"`` or ``"v2"`` (KVCacheManagerV2 registers through a layout; its page
+            bytes are not assumed to match V1's, so the two never share blocks).
     """
     kv_cache = getattr(llm_args, "kv_cache_config", None)
     return ModelIdentity(
@@ -119,7 +123,7 @@ def shard_identity(
         kv_factor=int(kv_shape[2]),
         block_elems=int(kv_shape[3]),
         num_layers=int(kv_shape[1]),
-        layout="trtllm-v1/" + str(getattr(llm_args, "attn_backend", "TRTLLM") or "TRTLLM"),
+        layout=f"trtllm-{manager}/" + str(getattr(llm_args, "attn_backend", "TRTLLM") or "TRTLLM"),
         tp_size=tp_size,
         tp_rank=tp_rank,
     )

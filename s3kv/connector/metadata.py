@@ -50,11 +50,17 @@ class ConnectorMetadata:
         saves: Blocks to copy out and save after the forward pass.
         arenas: Per rank, the shared-memory arena path and slot size for ``LoadOp.slots``
             (empty unless tensor parallel).
+        load_seq: Sequence number of this iteration's loads (0 when there are none). Each
+            worker publishes it on the completion board once its copies have *completed*;
+            the scheduler keeps the staged sources pinned until every rank has.
+        board: Path of the shared completion board (tensor parallel), else ''.
     """
 
     loads: tuple[LoadOp, ...] = ()
     saves: tuple[SaveOp, ...] = ()
     arenas: tuple[tuple[str, int], ...] = ()
+    load_seq: int = 0
+    board: str = ""
 
 
 EMPTY = ConnectorMetadata()

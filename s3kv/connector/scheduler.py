@@ -12,20 +12,31 @@ Contracts (DESIGN.md invariants 1-3):
   ``save_decode_blocks``), skipping blocks the bucket already has.
 * While the store is unhealthy (circuit breaker open) it claims nothing and plans no saves.
 
-Pins are released one scheduler step after the load was planned: by then every rank has run
-the forward pass that consumed the staged bytes (the executor's ``get_finished`` all-gather
-sits between the two steps).
+Pins are released only once every rank has reported, on the completion board, that the
+device copies reading the staged bytes have *completed* — not at the next scheduler step: under
+the overlap loop the host plans step N+1 while step N's copies may still be queued on the
+device (:mod:`s3kv.connector.completion`).
+
+Guard fallbacks keep the engine's bookkeeping: loads are planned as soon as the claimed
+blocks are known and :meth:`SchedulerCore.take_metadata` can always hand them out, so a failure
+in ``build_connector_meta`` never drops a claimed load. Requests whose key inputs s3kv cannot
+see (an unmapped LoRA task id, a p-tuning prompt table) are neither claimed nor saved, and
+state of requests TensorRT-LLM frees without ``request_finished`` (cancelled or failed) is
+forgotten after :attr:`SchedulerCore.STALE_STEPS` steps.
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import struct
-from collections.abc import Sequence
+from collections import deque
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from s3kv.config import S3KVConfig
+from s3kv.connector.completion import CompletionBoard
 from s3kv.connector.metadata import EMPTY, ConnectorMetadata, LoadOp, SaveOp
 from s3kv.connector.shared import ShardStores
 from s3kv.keys import ROOT_HASH, BlockHash, MultimodalItem, chain_hashes
@@ -39,7 +50,7 @@ class _Request:
 
     request_id: int
     prompt_len: int
-    hash_args: dict[str, Any]
+    hash_args: dict[str, Any] | None  # None: the key inputs are not all visible; no caching
     keys: list[BlockHash]
     tokens: list[int] = field(default_factory=list)
     block_ids: list[int] = field(default_factory=list)
@@ -49,14 +60,37 @@ class _Request:
     loads_planned: bool = False
     saved_blocks: int = 0  # blocks [0, saved_blocks) planned or skipped
     saves_planned: int = 0
+    last_seen: int = 0  # the scheduler step that last reported this request
 
 
-def hash_args(request: Any) -> dict[str, Any]:
-    """Key inputs beyond tokens, read from the attributes TensorRT-LLM's binding exposes."""
+def lora_key(revision: str) -> int:
+    """The 64-bit LoRA key input for an adapter revision (stable across instances)."""
+    digest = hashlib.sha256(b"s3kv-lora-revision\0" + revision.encode()).digest()
+    return int.from_bytes(digest[:8], "little")
+
+
+def hash_args(
+    request: Any, lora_revisions: Mapping[int, str] | None = None
+) -> dict[str, Any] | None:
+    """Key inputs beyond tokens, from the attributes TensorRT-LLM's binding exposes.
+
+    Returns ``None`` when a key input exists that s3kv cannot see or cannot make global, so
+    the request is neither claimed nor saved (two different contents would share a key):
+
+    * a LoRA task id without a configured adapter revision (``lora_revisions``): the id is a
+      number each deployment assigns, so it may name another adapter elsewhere;
+    * a prompt table (p-tuning): its fake token ids index a per-request embedding table
+      whose contents the binding does not expose.
+    """
     args: dict[str, Any] = {}
     lora = getattr(request, "lora_task_id", None)
     if lora is not None:
-        args["lora_task_id"] = int(lora)
+        revision = (lora_revisions or {}).get(int(lora))
+        if revision is None:
+            return None
+        args["lora_task_id"] = lora_key(revision)
+    if _has_prompt_table(request):
+        return None
     salt = getattr(request, "cache_salt_id", None)
     if salt is not None:
         args["cache_salt"] = struct.pack("<Q", int(salt) & (2**64 - 1))
@@ -64,11 +98,25 @@ def hash_args(request: Any) -> dict[str, Any]:
     if hashes:
         positions = list(getattr(request, "multimodal_positions", None) or [])
         lengths = list(getattr(request, "multimodal_lengths", None) or [])
+        if len(positions) != len(hashes) or len(lengths) != len(hashes):
+            return None  # items without a place in the prompt cannot be keyed
         args["multimodal"] = [
             MultimodalItem(struct.pack(f"<{len(h)}i", *[int(v) for v in h]), int(pos), int(length))
-            for h, pos, length in zip(hashes, positions, lengths, strict=False)
+            for h, pos, length in zip(hashes, positions, lengths, strict=True)
         ]
     return args
+
+
+def _has_prompt_table(request: Any) -> bool:
+    # NOTE: getattr with a default: a binding without the attribute means "no table".
+    for name in ("prompt_embedding_table", "prompt_vocab_size"):
+        try:
+            value = getattr(request, name, None)
+        except Exception:  # a binding that raises on read: assume a table, fail closed
+            return True
+        if value is not None and not (isinstance(value, int) and value == 0):
+            return True
+    return False
 
 
 class SchedulerCore:
@@ -84,16 +132,28 @@ class SchedulerCore:
         arenas: Per rank ``(path, slot_bytes)`` of the staging arenas (tensor parallel), or
             empty.
         slot_of: Maps (rank, key) to the arena slot holding that shard (tensor parallel).
+        board: Where the workers publish completed loads; pins are released from it.
     """
+
+    #: Scheduler steps a request may be missing from the scheduler output before its state
+    #: is dropped (cancelled and errored requests are freed without ``request_finished`` in
+    #: TensorRT-LLM; a running request is reported every step it is scheduled).
+    STALE_STEPS = 64
 
     def __init__(self, config: S3KVConfig, tokens_per_block: int) -> None:
         self.config = config
         self.tokens_per_block = tokens_per_block
+        self.lora_revisions = config.lora_revision_map()
         self.shards: ShardStores | None = None
         self.arenas: tuple[tuple[str, int], ...] = ()
         self.slot_of: Any = None
+        self.board: CompletionBoard = CompletionBoard.private()
+        self.manager = "v1"  # "v2": KVCacheManagerV2 (honoured counts, per-chunk pages)
         self._requests: dict[int, _Request] = {}
-        self._unpin_next: list[list[BlockHash]] = []
+        self._ready_loads: list[LoadOp] = []  # planned, not yet handed to the workers
+        self._held: deque[tuple[int, list[BlockHash]]] = deque()  # (load_seq, pinned keys)
+        self._load_seq = 0
+        self._step = 0
 
     # --- the claim (memory only) ---
 
@@ -101,11 +161,19 @@ class SchedulerCore:
         """Tokens beyond ``num_computed_tokens`` that are staged on every shard (pinned)."""
         tpb = self.tokens_per_block
         prompt_len = int(request.prompt_len)
+        rid = int(request.request_id)
+        previous = self._requests.pop(rid, None)
+        if previous is not None:  # asked again (V2 re-offers): the old pins go first
+            self._release_unplanned(previous)
+        args = hash_args(request, self.lora_revisions)
+        if args is None:
+            self._requests[rid] = _Request(rid, prompt_len, None, [], last_seen=self._step)
+            self._metric("connector_uncacheable_requests")
+            return 0
         tokens = list(request.get_tokens(0))[:prompt_len]
-        args = hash_args(request)
         keys = chain_hashes(tokens, tpb, **args)
-        state = _Request(int(request.request_id), prompt_len, args, keys)
-        self._requests[state.request_id] = state
+        state = _Request(rid, prompt_len, args, keys, last_seen=self._step)
+        self._requests[rid] = state
         shards = self.shards
         if shards is None or not shards.healthy:
             return 0
@@ -131,60 +199,115 @@ class SchedulerCore:
         return state.connector_tokens
 
     def update_state_after_alloc(self, request: Any, block_ids: Sequence[int]) -> None:
-        """Remember the blocks the engine allocated (all prompt blocks, V1)."""
+        """Remember the allocated blocks and plan the claim's loads right away.
+
+        Under KVCacheManagerV2 the runtime may honour fewer tokens than offered and records
+        the honoured count in ``request.py_num_connector_matched_tokens`` before this call
+        (``commit_new_matched_tokens`` in ``connectors/kv_cache_connector.py`` @``035ab91c``):
+        exactly the honoured blocks are loaded, the rest of the claim is unpinned. V1 honours
+        the whole claim.
+        """
         state = self._requests.get(int(request.request_id))
-        if state is not None:
-            state.block_ids = list(block_ids)
+        if state is None:
+            return
+        if self.manager == "v2":
+            self._honour(state, getattr(request, "py_num_connector_matched_tokens", None))
+        state.block_ids = list(block_ids)
+        self._plan_loads(state)
+
+    def _honour(self, state: _Request, honoured: Any) -> None:
+        if not state.claimed or state.loads_planned or not isinstance(honoured, int):
+            return
+        tpb = self.tokens_per_block
+        honoured = max(0, min(honoured, state.connector_tokens))
+        keep = -(-honoured // tpb)  # NOTE: a partly honoured block is loaded whole
+        if keep < len(state.claimed) and self.shards is not None:
+            self.shards.unpin(state.claimed[keep:])
+            self._metric("connector_unhonoured_blocks", len(state.claimed) - keep)
+        state.claimed = state.claimed[:keep]
+        state.connector_tokens = honoured
 
     # --- metadata ---
 
     def build_connector_meta(self, new_requests: Sequence[Any], cached: Sequence[Any]) -> Any:
-        """This iteration's loads and saves; also releases the previous step's load pins."""
-        shards = self.shards
-        if shards is not None:
-            for keys in self._unpin_next:
-                shards.unpin(keys)
-        self._unpin_next = []
-        loads: list[LoadOp] = []
-        saves: list[SaveOp] = []
+        """This iteration's loads and saves; releases pins whose loads completed everywhere.
+
+        Loads come first and cannot be lost: they were planned when the blocks were known
+        (:meth:`update_state_after_alloc`, or here from the first report's block ids), and
+        a failure while planning one request's saves costs only that request's saves.
+        """
+        self._step += 1
+        self._release_completed()
         for data in new_requests:
             state = self._requests.get(int(data.request_id))
             if state is None:
                 continue
+            state.last_seen = self._step
             state.tokens = list(data.new_tokens)
             if data.new_block_ids:
                 state.block_ids = list(data.new_block_ids)
-            loads.extend(self._plan_loads(state))
-            valid = data.computed_position + state.connector_tokens + data.num_scheduled_tokens
-            saves.extend(self._plan_saves(state, valid))
-        for data in cached:
+            self._plan_loads(state)
+        saves: list[SaveOp] = []
+        for data, first in [(d, True) for d in new_requests] + [(d, False) for d in cached]:
             state = self._requests.get(int(data.request_id))
             if state is None:
                 continue
-            state.tokens.extend(data.new_tokens)
-            state.block_ids.extend(data.new_block_ids)
-            saves.extend(
-                self._plan_saves(state, data.computed_position + data.num_scheduled_tokens)
-            )
+            state.last_seen = self._step
+            try:
+                saves.extend(self._plan_request_saves(state, data, first=first))
+            except Exception:  # NOTE: isolated: only this request's saves are lost
+                logger.exception("s3kv: save planning failed for request %d", state.request_id)
+                state.hash_args = None  # stop planning saves for it
+                self._metric("connector_save_planning_errors")
+        self._forget_stale()
+        return self.take_metadata(saves)
+
+    def take_metadata(self, saves: Sequence[SaveOp] = ()) -> ConnectorMetadata:
+        """The planned loads (and ``saves``) as this iteration's metadata; cannot fail.
+
+        The adapter's guard calls this with no saves when :meth:`build_connector_meta`
+        raised, so claimed loads still reach the workers.
+        """
+        loads, self._ready_loads = tuple(self._ready_loads), []
         if not loads and not saves:
             return EMPTY
-        return ConnectorMetadata(tuple(loads), tuple(saves), self.arenas if loads else ())
+        seq = 0
+        if loads:
+            self._load_seq += 1
+            seq = self._load_seq
+            self._held.append((seq, [BlockHash(op.key) for op in loads]))
+        return ConnectorMetadata(
+            loads, tuple(saves), self.arenas if loads else (), seq,
+            self.board.path if loads else "",
+        )  # fmt: skip
 
-    def _plan_loads(self, state: _Request) -> list[LoadOp]:
+    def _plan_request_saves(self, state: _Request, data: Any, *, first: bool) -> list[SaveOp]:
+        if first:
+            valid = data.computed_position + state.connector_tokens + data.num_scheduled_tokens
+            return self._plan_saves(state, valid)
+        state.tokens.extend(data.new_tokens)
+        state.block_ids.extend(data.new_block_ids)
+        return self._plan_saves(state, data.computed_position + data.num_scheduled_tokens)
+
+    def _plan_loads(self, state: _Request) -> None:
         if state.loads_planned or not state.claimed:
-            return []
-        state.loads_planned = True
-        self._unpin_next.append(state.claimed)
+            return
+        needed = state.claim_start + len(state.claimed)
+        if len(state.block_ids) < needed:
+            return  # blocks not known yet (the first report carries them)
         ops = []
         for i, key in enumerate(state.claimed):
             block_id = state.block_ids[state.claim_start + i]
+            if block_id < 0:  # BAD_PAGE_INDEX: no page for an honoured block cannot happen
+                raise RuntimeError(f"claimed block {i} of request {state.request_id} has no page")
             slots = tuple(self.slot_of(rank, key) for rank in range(len(self.arenas)))
             ops.append(LoadOp(block_id, bytes(key), slots))
-        return ops
+        self._ready_loads.extend(ops)
+        state.loads_planned = True
 
     def _plan_saves(self, state: _Request, valid_tokens: int) -> list[SaveOp]:
         shards = self.shards
-        if shards is None or not shards.healthy:
+        if shards is None or not shards.healthy or state.hash_args is None:
             return []
         tpb = self.tokens_per_block
         limit = valid_tokens // tpb
@@ -199,11 +322,48 @@ class SchedulerCore:
             key = state.keys[b]
             if b in loaded or shards.may_contain(key):
                 continue
+            if state.block_ids[b] < 0:
+                continue  # BAD_PAGE_INDEX: no page (out of a sliding window)
             parent = state.keys[b - 1] if b else ROOT_HASH
             ops.append(SaveOp(state.request_id, state.block_ids[b], bytes(key), bytes(parent)))
         state.saved_blocks = max(state.saved_blocks, limit)
         state.saves_planned += len(ops)
         return ops
+
+    # --- pins ---
+
+    def _release_completed(self) -> None:
+        """Unpin load batches whose copies every rank has reported *completed*."""
+        done = self.board.completed()
+        shards = self.shards
+        while self._held and self._held[0][0] <= done:
+            _, keys = self._held.popleft()
+            if shards is not None:
+                shards.unpin(keys)
+
+    @property
+    def held_load_batches(self) -> int:
+        """Load batches whose staged sources are still pinned (copies not yet complete)."""
+        return len(self._held)
+
+    def _release_unplanned(self, state: _Request) -> None:
+        """Unpin a claim whose loads were never handed to the workers."""
+        if state.claimed and not state.loads_planned and self.shards is not None:
+            self.shards.unpin(state.claimed)
+            state.claimed = []
+
+    def _forget_stale(self) -> None:
+        """Drop requests missing from the scheduler output for :attr:`STALE_STEPS` steps."""
+        horizon = self._step - self.STALE_STEPS
+        stale = [rid for rid, s in self._requests.items() if s.last_seen < horizon]
+        for rid in stale:
+            self._release_unplanned(self._requests.pop(rid))
+        if stale:
+            self._metric("connector_forgotten_requests", len(stale))
+
+    def _metric(self, name: str, amount: int = 1) -> None:
+        if self.shards is not None:
+            self.shards.stores[0].metrics.inc(name, amount)
 
     # --- end of a request ---
 
@@ -212,11 +372,10 @@ class SchedulerCore:
         state = self._requests.pop(int(request.request_id), None)
         if state is None:
             return False
-        if state.claimed and not state.loads_planned and self.shards is not None:
-            self.shards.unpin(state.claimed)  # claimed but never scheduled: release now
+        self._release_unplanned(state)  # claimed but never scheduled: release now
         return state.saves_planned > 0
 
     @property
     def tracked_requests(self) -> int:
-        """Requests between their claim and ``request_finished``."""
+        """Requests between their claim and ``request_finished`` (or being forgotten)."""
         return len(self._requests)

@@ -29,7 +29,8 @@ from s3kv.config import S3KVConfig
 from s3kv.connector.api import SchedulerBase, SchedulerOutput, WorkerBase
 from s3kv.connector.arena import SlabArena
 from s3kv.connector.comm import get_collectives
-from s3kv.connector.envelope import envelope_problems, envelope_warnings
+from s3kv.connector.completion import CompletionBoard
+from s3kv.connector.envelope import envelope_problems, envelope_warnings, pool_dtype_problem
 from s3kv.connector.identity import kv_dtype_name, shard_identity, weights_revision
 from s3kv.connector.metadata import EMPTY, ConnectorMetadata
 from s3kv.connector.scheduler import SchedulerCore
@@ -76,6 +77,7 @@ class S3KVConnectorScheduler(SchedulerBase):  # type: ignore[misc]
         self.core: SchedulerCore | None = None
         self.warm: WarmStart | None = None
         self._arenas: list[SlabArena] = []
+        self._warm_awaited = False
         try:
             config = S3KVConfig.load()
             problems = envelope_problems(llm_args)
@@ -136,11 +138,27 @@ class S3KVConnectorScheduler(SchedulerBase):  # type: ignore[misc]
             ]
             core.arenas = tuple((str(a.path), a.slot_bytes) for a in self._arenas)
             core.slot_of = self._slot_of
+            core.board = CompletionBoard.shared(len(shards))
         core.shards = ShardStores(stores)
+        if (identities[0].layout or "").startswith("trtllm-v2/"):
+            core.manager = "v2"
         self.warm = WarmStart(
             core.shards, stores[0], self.config.warm_start_bytes, self.config.warm_start_timeout
         )
         self.warm.start()
+
+    def await_warm_start(self) -> None:
+        """Wait (bounded by ``warm_start_timeout``) for warm staging; once per process.
+
+        NOTE: rank 0's worker calls this at the end of ``register_kv_caches``, because the
+        1.2-era executor never calls ``wait_for_initialization`` (it arrived later); the
+        other ranks wait meanwhile in their next collective, as they would behind
+        ``wait_for_initialization``.
+        """
+        warm, self._warm_awaited = self.warm, True
+        if warm is not None and not warm.wait():
+            logger.warning("s3kv: warm start still running after %.0f s; serving anyway",
+                           warm.timeout)  # fmt: skip
 
     def _slot_of(self, rank: int, key: bytes) -> int:
         shards = self.core.shards if self.core is not None else None
@@ -151,10 +169,9 @@ class S3KVConnectorScheduler(SchedulerBase):  # type: ignore[misc]
 
     @_guarded(lambda *a, **k: None)
     def wait_for_initialization(self) -> None:
-        """Wait (bounded) for warm start to stage the hottest prefixes."""
-        if self.warm is not None and not self.warm.wait():
-            logger.warning("s3kv: warm start still running after %.0f s; serving anyway",
-                           self.warm.timeout)  # fmt: skip
+        """Wait (bounded) for warm start, unless registration already did."""
+        if not self._warm_awaited:
+            self.await_warm_start()
 
     @_guarded(lambda *a, **k: (0, False))
     def get_num_new_matched_tokens(
@@ -170,14 +187,24 @@ class S3KVConnectorScheduler(SchedulerBase):  # type: ignore[misc]
         if self.core is not None:
             self.core.update_state_after_alloc(request, block_ids)
 
-    @_guarded(lambda *a, **k: EMPTY)
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> ConnectorMetadata:
-        if self.core is None or scheduler_output is None:
+        """This iteration's loads and saves; on any failure still the claimed loads."""
+        core = self.core
+        if core is None or scheduler_output is None:
             return EMPTY
-        meta: ConnectorMetadata = self.core.build_connector_meta(
-            scheduler_output.new_requests, scheduler_output.cached_requests
-        )
-        return meta
+        try:
+            meta: ConnectorMetadata = core.build_connector_meta(
+                scheduler_output.new_requests, scheduler_output.cached_requests
+            )
+            return meta
+        except Exception:
+            logger.exception("s3kv: build_connector_meta failed; sending the claimed loads only")
+        try:
+            # NOTE: a claim is a promise: the engine already counts those tokens as computed.
+            return core.take_metadata()
+        except Exception:
+            logger.exception("s3kv: cannot send claimed loads; outputs may be wrong")
+            return EMPTY
 
     @_guarded(lambda *a, **k: False)
     def request_finished(self, request: Any, cache_block_ids: list[int]) -> bool:
@@ -194,6 +221,9 @@ class S3KVConnectorWorker(WorkerBase):  # type: ignore[misc]
         self._collectives = get_collectives()
         self.rank = self._collectives.rank
         self.tp_size = int(getattr(llm_args, "tensor_parallel_size", 1) or 1)
+        self.manager = "v1"  # "v2" once registered through register_kv_cache_layout
+        self._registered = False
+        self._pending_core: WorkerCore | None = None
         try:
             self.config: S3KVConfig | None = S3KVConfig.load()
         except S3KVError as exc:
@@ -210,45 +240,107 @@ class S3KVConnectorWorker(WorkerBase):  # type: ignore[misc]
         except Exception:  # never into the engine
             logger.exception("s3kv: forward-pass callable failed")
 
-    @_guarded(lambda *a, **k: None)
     def register_kv_caches(self, kv_cache_tensor: Any) -> None:
-        """Check the pool, agree with every rank, open this rank's store."""
-        # NOTE: collectives: every rank registers at the same point of startup. Rank 0 alone
-        # derives the weights revision (it may hash the whole checkpoint) and shares it.
-        config = self.config
-        revision = self._collectives.broadcast(
-            weights_revision(self._llm_args, config) if self.rank == 0 and config else UNKNOWN
+        """Check the pool, agree with every rank, open this rank's store.
+
+        Collectives: one broadcast and one all-gather, reached by every rank whatever failed
+        locally. Everything fallible runs under a guard *before* each collective and its
+        outcome travels through it, so a fault on one rank turns the connector off on all
+        ranks instead of leaving the others waiting in a collective it skipped.
+        """
+        self._registered = True
+        # NOTE: rank 0 alone derives the weights revision (it may hash the checkpoint).
+        local = self._attempt("weights revision", self._revision) if self.rank == 0 else None
+        revision, problem = self._collectives.broadcast(local or (UNKNOWN, ""))
+        info = self._attempt(
+            "registration", lambda: self._register_local(kv_cache_tensor, revision, problem)
         )
-        info = self._describe(kv_cache_tensor, revision)
+        if info is None:  # the guard logged it; the other ranks still need this rank's word
+            info = ShardInfo(self.rank, None, "registration failed on this rank", 0, "")
         shards = [ShardInfo(**s) for s in self._collectives.allgather(info.__dict__)]
-        state = process_state()
-        scheduler = getattr(state, "scheduler", None)
-        if self.rank == 0 and scheduler is not None:
-            scheduler.initialize(shards)
-        off = [s for s in shards if s.identity is None]
-        if off or self.config is None or info.identity is None:
-            reason = off[0].reason if off else self.off_reason
-            logger.error("s3kv: connector disabled on rank %d: %s", self.rank, reason)
-            return
+        self._attempt("start", lambda: self._start(shards))
+
+    def _attempt(self, what: str, step: Callable[[], T]) -> T | None:
         try:
-            store = state.open_store(self.config, info.identity)
-        except S3KVError as exc:
-            logger.error("s3kv: connector disabled on rank %d: %s", self.rank, exc)
+            return step()
+        except Exception:
+            logger.exception("s3kv: %s failed on rank %d; the connector turns off", what,
+                             self.rank)  # fmt: skip
+            return None
+
+    def _revision(self) -> tuple[str, str]:
+        if self.config is None:
+            return UNKNOWN, ""
+        try:
+            return weights_revision(self._llm_args, self.config), ""
+        except Exception as exc:  # an unreadable checkpoint: off everywhere, with the reason
+            return UNKNOWN, f"cannot derive the weights revision: {exc}"
+
+    def _register_local(self, kv: Any, revision: str, problem: str) -> ShardInfo:
+        """This rank's shard identity, store and core (no collectives)."""
+        if problem:
+            self.off_reason = problem
+        info = self._describe(kv, revision)
+        if info.identity is None or self.config is None:
+            return info
+        try:
+            store = process_state().open_store(self.config, info.identity)
+        except S3KVError as exc:  # missing bucket, denied credentials: one line, named
+            return ShardInfo(self.rank, None, str(exc), info.block_nbytes, info.host)
+        self._pending_core = WorkerCore(self.rank, store, kv, self.config.max_inflight_save_bytes)
+        return info
+
+    def _start(self, shards: list[ShardInfo]) -> None:
+        """After the all-gather: every rank on, or every rank off."""
+        core, self._pending_core = self._pending_core, None
+        scheduler = process_state().scheduler if self.rank == 0 else None
+        off = [s for s in shards if s.identity is None]
+        if off:
+            logger.error("s3kv: connector disabled on rank %d: rank %d: %s", self.rank,
+                         off[0].rank, off[0].reason)  # fmt: skip
+            if scheduler is not None:
+                scheduler.initialize(shards)  # turns itself off, naming the rank
             return
-        self.core = WorkerCore(
-            self.rank, store, kv_cache_tensor, self.config.max_inflight_save_bytes
-        )
+        if scheduler is not None:
+            scheduler.initialize(shards)
+            if scheduler.core is None or core is None:
+                return
+            core.board = scheduler.core.board
+            scheduler.await_warm_start()
+        self.core = core
+
+    def register_kv_cache_layout(self, layout: Any) -> None:
+        """KVCacheManagerV2's registration: one pool is served, anything else turns off.
+
+        TensorRT-LLM's default (``connectors/kv_cache_connector.py`` @``035ab91c``) raises
+        ``NotImplementedError`` out of executor construction for several groups or regions;
+        s3kv still runs the registration collectives (with the reason) and switches off.
+        """
+        self.manager = "v2"
+        tensor = None
+        try:
+            tensor = layout.as_single_pool_tensor()
+        except Exception:
+            logger.exception("s3kv: reading the KV cache layout failed")
+        if tensor is None and not self.off_reason:
+            groups = len(getattr(layout, "groups", ()) or ())
+            self.off_reason = (
+                f"the KV cache layout has {groups} layer group(s) or several memory regions "
+                "(variable sliding windows, or NVFP4 block scales beside the pool); s3kv "
+                "serves one contiguous pool"
+            )
+        self.register_kv_caches(tensor)
 
     def _describe(self, kv: Any, revision: str) -> ShardInfo:
         host = socket.gethostname()
         nbytes = int(kv[0].numel() * kv.element_size()) if getattr(kv, "dim", None) else 0
-        reason = self.off_reason or self._layout_problem(kv)
+        reason = self.off_reason or (self._layout_problem(kv) if kv is not None else "no pool")
         if reason or self.config is None:
             return ShardInfo(self.rank, None, reason or "no configuration", nbytes, host)
         identity = shard_identity(
             self._llm_args, self.config, kv_shape=tuple(kv.shape), kv_dtype=kv.dtype,
             tp_size=self.tp_size, tp_rank=self.rank,
-            revision=revision,
+            revision=revision, manager=self.manager,
         )  # fmt: skip
         return ShardInfo(self.rank, identity, "", nbytes, host)
 
@@ -263,6 +355,9 @@ class S3KVConnectorWorker(WorkerBase):  # type: ignore[misc]
             )
         if kv_dtype_name(kv.dtype) is None:
             return f"KV cache dtype {kv.dtype} is not supported"
+        dtype_problem = pool_dtype_problem(self._llm_args, kv_dtype_name(kv.dtype))
+        if dtype_problem:
+            return dtype_problem
         if not kv.is_contiguous():
             return "KV pool is not contiguous"
         expected = _num_attention_layers(self._llm_args)
@@ -293,9 +388,12 @@ class S3KVConnectorWorker(WorkerBase):  # type: ignore[misc]
     def wait_for_save(self, stream: Any) -> None:
         meta = self.get_connector_meta()
         if self.core is not None and isinstance(meta, ConnectorMetadata):
-            self.core.save_after_forward(meta)
+            self.core.save_after_forward(meta, stream)
 
-    @_guarded(lambda finished, loading: (list(finished), list(loading)))
+    # NOTE: on failure nothing is returned: an id returned twice makes TensorRT-LLM's
+    # extract_by_id raise KeyError out of the executor loop; ids not returned now are
+    # still awaited by the core and come back in a later call.
+    @_guarded(lambda *a, **k: ([], []))
     def get_finished(
         self, finished_gen_req_ids: list[int], started_loading_req_ids: list[int]
     ) -> tuple[list[int], list[int]]:

@@ -2,11 +2,11 @@
 
 Contracts:
 
-* :meth:`WorkerCore.register` checks the pool tensor is the single
-  ``[blocks, layers, kv_factor, block_elems]`` pool s3kv can serve and turns the connector
-  off (one log line) otherwise — it never raises into the engine.
-* :meth:`WorkerCore.start_load` copies staged host bytes into the claimed blocks on the
-  engine's stream, before the forward pass is enqueued (the execution stream waits on it).
+* :meth:`WorkerCore.start_load` enqueues copies of staged host bytes into the claimed blocks
+  on the engine's stream, before the forward pass is enqueued (the execution stream waits on
+  it), and never waits for them. The sources stay pinned by the scheduler until this rank
+  publishes, on the :class:`~s3kv.connector.completion.CompletionBoard`, that the copies'
+  event has *completed* (:meth:`WorkerCore.poll_loads`, run at every entry point).
 * :meth:`WorkerCore.save_after_forward` copies full blocks to bounded host buffers on a side
   stream that waits for the forward-pass event, then hands them to the store, which encodes
   and uploads them on its pool. Nothing waits for S3.
@@ -16,7 +16,6 @@ Contracts:
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import logging
 import threading
@@ -28,6 +27,8 @@ from typing import Any
 import numpy as np
 
 from s3kv.connector.arena import SlabArena
+from s3kv.connector.completion import CompletionBoard
+from s3kv.connector.device import DONE, CopyEngine, StreamEvent, SyncCopyEngine, copy_engine
 from s3kv.connector.metadata import ConnectorMetadata, LoadOp, SaveOp
 from s3kv.keys import BlockHash
 from s3kv.store import KVStore
@@ -45,7 +46,7 @@ def _torch() -> Any:
 class _PendingCopy:
     """Device→host copies of one forward pass, waiting for their event."""
 
-    event: Any  # a torch.cuda.Event, or None when the copies were synchronous
+    event: StreamEvent
     ops: list[SaveOp]
     buffers: list[Any]
 
@@ -90,10 +91,18 @@ class WorkerCore:
         store: The store of this rank's shard (saves; loads too when single-process).
         kv_cache: The registered pool tensor.
         max_inflight_bytes: Bound on host buffers of pending saves.
+        board: Where this rank publishes completed loads (single process: the scheduler's
+            board; tensor parallel: attached from the metadata when ``None``).
     """
 
-    def __init__(self, rank: int, store: KVStore, kv_cache: Any, max_inflight_bytes: int) -> None:
-        torch = _torch()
+    def __init__(
+        self,
+        rank: int,
+        store: KVStore,
+        kv_cache: Any,
+        max_inflight_bytes: int,
+        board: CompletionBoard | None = None,
+    ) -> None:
         self.rank = rank
         self.store = store
         self.kv_cache = kv_cache
@@ -101,38 +110,82 @@ class WorkerCore:
         self.block_shape = tuple(kv_cache.shape[1:])
         self.block_nbytes = kv_cache[0].numel() * kv_cache.element_size()
         self.dtype_name = _dtype_name(kv_cache.dtype)
+        self.board = board
         self._buffers = SaveBufferPool(self.block_nbytes, max_inflight_bytes, pinned=self.cuda)
         self._arenas: dict[str, SlabArena] = {}
         self._pending: deque[_PendingCopy] = deque()
         self._inflight: dict[int, int] = defaultdict(int)  # request id -> copies pending
         self._awaiting: set[int] = set()
-        self._forward_event: Any = None
-        self._side_stream = torch.cuda.Stream(device=kv_cache.device) if self.cuda else None
+        self._loads: deque[tuple[int, StreamEvent]] = deque()  # (load_seq, its event)
+        self._engine: CopyEngine | None = copy_engine(kv_cache, None) if self.cuda else None
+        self._stream: Any = None
+
+    def _engine_for(self, stream: Any) -> CopyEngine:
+        """The copy engine; on the CPU it follows the first stream the engine passes."""
+        engine = self._engine
+        if engine is None or (isinstance(engine, SyncCopyEngine) and stream is not None):
+            engine = self._engine = copy_engine(self.kv_cache, stream)
+        return engine
 
     # --- forward-pass event ---
 
     def forward_done(self) -> None:
-        """Called at the end of every forward pass, on its stream: mark the point saves wait for."""
-        if self.cuda:
-            event = _torch().cuda.Event()
-            event.record()
-            self._forward_event = event
+        """End of every forward pass, on its stream: the point device→host copies wait for."""
+        self._engine_for(self._stream).mark_forward(self._stream)
 
     # --- loads ---
 
     def start_load(self, metadata: ConnectorMetadata, stream: Any) -> None:
-        """Copy every :class:`LoadOp` source into its block on ``stream``."""
+        """Enqueue a copy of every :class:`LoadOp` source into its block on ``stream``.
+
+        Returns without waiting for the copies. Their completion is published on the board
+        (:meth:`poll_loads`), and only then may the scheduler recycle the sources.
+        """
+        self._stream = stream
+        engine = self._engine_for(stream)
+        self.poll_loads()
         if not metadata.loads:
             return
-        torch = _torch()
+        self._attach_board(metadata)
         arena = self._arena(metadata) if metadata.arenas else None
-        use_stream = self.cuda and stream is not None
-        with torch.cuda.stream(stream) if use_stream else contextlib.nullcontext():
-            for op in metadata.loads:
-                source = self._load_source(op, arena)
-                target = self.kv_cache[op.block_id].view(-1).view(torch.uint8)
-                target.copy_(torch.from_numpy(source), non_blocking=self.cuda)
+        event: StreamEvent = DONE
+        try:
+            pairs = [(self.kv_cache[op.block_id], self._load_source(op, arena))
+                     for op in metadata.loads]  # fmt: skip
+            event = engine.load(pairs, stream)
+        except Exception:
+            # NOTE: whatever was enqueued before the failure still reads its sources: fence
+            # it, so the pins are held until that work has run.
+            event = self._fence(engine, stream)
+            raise
+        finally:
+            self._loads.append((metadata.load_seq, event))
         self.store.metrics.inc("connector_loaded_blocks", len(metadata.loads))
+        self.poll_loads()
+
+    def _fence(self, engine: CopyEngine, stream: Any) -> StreamEvent:
+        try:
+            return engine.load([], stream)
+        except Exception:  # the stream itself is broken; nothing more can be known
+            logger.exception("s3kv: cannot fence failed loads; releasing their pins")
+            return DONE
+
+    def poll_loads(self) -> None:
+        """Publish, oldest first, every load batch whose copies have completed."""
+        board = self.board
+        while self._loads and self._loads[0][1].query():
+            seq, _ = self._loads.popleft()
+            if board is not None and seq:
+                board.publish(self.rank, seq)
+
+    @property
+    def loads_in_flight(self) -> int:
+        """Load batches enqueued whose completion has not been published yet."""
+        return len(self._loads)
+
+    def _attach_board(self, metadata: ConnectorMetadata) -> None:
+        if self.board is None and metadata.board:
+            self.board = CompletionBoard.attach(metadata.board)
 
     def _load_source(self, op: LoadOp, arena: SlabArena | None) -> np.ndarray:
         if arena is not None:
@@ -155,12 +208,12 @@ class WorkerCore:
 
     # --- saves ---
 
-    def save_after_forward(self, metadata: ConnectorMetadata) -> None:
+    def save_after_forward(self, metadata: ConnectorMetadata, stream: Any = None) -> None:
         """Start device→host copies of this iteration's full blocks; never waits on them."""
+        self.poll_loads()
         self._drain(block=False)
         if not metadata.saves:
             return
-        torch = _torch()
         ops: list[SaveOp] = []
         buffers: list[Any] = []
         for op in metadata.saves:
@@ -172,29 +225,25 @@ class WorkerCore:
             buffers.append(buffer)
         if not ops:
             return
-        event = None
-        if self.cuda:
-            assert self._side_stream is not None
-            with torch.cuda.stream(self._side_stream):
-                if self._forward_event is not None:
-                    self._side_stream.wait_event(self._forward_event)
-                for op, buffer in zip(ops, buffers, strict=True):
-                    buffer.copy_(self.kv_cache[op.block_id].view(-1).view(torch.uint8), True)
-                event = torch.cuda.Event()
-                event.record()
-        else:
-            for op, buffer in zip(ops, buffers, strict=True):
-                buffer.copy_(self.kv_cache[op.block_id].view(-1).view(torch.uint8))
+        pairs = [
+            (buffer, self.kv_cache[op.block_id]) for op, buffer in zip(ops, buffers, strict=True)
+        ]
+        try:
+            event = self._engine_for(stream).save(pairs, stream)
+        except Exception:
+            for buffer in buffers:
+                self._buffers.release(buffer)
+            raise
         for op in ops:
             self._inflight[op.request_id] += 1
         self._pending.append(_PendingCopy(event, ops, buffers))
         self._drain(block=False)
 
     def _drain(self, *, block: bool) -> None:
-        """Hand completed copies to the store (oldest first)."""
+        """Hand completed copies to the store (oldest first); a failed save is only counted."""
         while self._pending:
             pending = self._pending[0]
-            if pending.event is not None and not pending.event.query():
+            if not pending.event.query():
                 if not block:
                     return
                 pending.event.synchronize()
@@ -203,24 +252,43 @@ class WorkerCore:
                 self._inflight[op.request_id] -= 1
                 if not self._inflight[op.request_id]:
                     del self._inflight[op.request_id]
-                host = buffer.numpy()
-                self.store.save(
-                    BlockHash(op.key), BlockHash(op.parent), host,
-                    dtype=self.dtype_name, shape=self.block_shape,
-                    on_consumed=functools.partial(self._buffers.release, buffer),
-                )  # fmt: skip
-                self.store.metrics.inc("connector_copied_blocks")
+                self._hand_to_store(op, buffer)
+
+    def _hand_to_store(self, op: SaveOp, buffer: Any) -> None:
+        try:
+            self.store.save(
+                BlockHash(op.key), BlockHash(op.parent), buffer.numpy(),
+                dtype=self.dtype_name, shape=self.block_shape,
+                on_consumed=functools.partial(self._buffers.release, buffer),
+            )  # fmt: skip
+        except Exception:  # NOTE: a lost save costs a future miss, never the request
+            logger.exception("s3kv: dropping the save of block %s", op.key.hex())
+            self._buffers.release(buffer)
+            self.store.metrics.inc("connector_save_errors")
+            return
+        self.store.metrics.inc("connector_copied_blocks")
 
     def finished(self, finished_gen_req_ids: Sequence[int]) -> list[int]:
-        """Requests (passed in now or earlier) whose device→host copies are all done here."""
+        """Requests (passed in now or earlier) whose device→host copies are all done here.
+
+        Idempotent and loss-free: an id is recorded before anything can fail, and leaves the
+        awaiting set only in the call that returns it, so it is returned exactly once.
+        """
         self._awaiting.update(int(i) for i in finished_gen_req_ids)
-        self._drain(block=False)
-        done = [rid for rid in self._awaiting if rid not in self._inflight]
+        try:
+            self.poll_loads()
+            self._drain(block=False)
+        except Exception:  # NOTE: the ids stay awaited; a later call returns them
+            logger.exception("s3kv: polling device copies failed")
+        done = sorted(rid for rid in self._awaiting if rid not in self._inflight)
         self._awaiting.difference_update(done)
-        return sorted(done)
+        return done
 
     def flush(self) -> None:
         """Wait for every pending copy and hand it to the store (shutdown)."""
+        while self._loads:
+            self._loads[0][1].synchronize()
+            self.poll_loads()
         self._drain(block=True)
 
 
