@@ -221,7 +221,8 @@ def test_nothing_raises_into_the_engine(bucket_env: str, monkeypatch: pytest.Mon
     monkeypatch.setattr(worker.core, "finished", boom)
     assert scheduler.get_num_new_matched_tokens(Request(1, PROMPT), 0) == (0, False)
     assert isinstance(scheduler.build_connector_meta(SchedulerOutput()), ConnectorMetadata)
-    assert scheduler.request_finished(Request(1, PROMPT), []) is False
+    # On failure the blocks are kept until every worker reports its copies done (safe).
+    assert scheduler.request_finished(Request(1, PROMPT), []) is True
     worker.bind_connector_meta(ConnectorMetadata())
     worker.start_load_kv(None)
     worker.wait_for_save(None)
@@ -303,3 +304,111 @@ def test_staging_arena_is_shared_and_leaves_nothing_behind(tmp_path: Any) -> Non
     assert after == before, "no named shared-memory file may exist (it would leak on a crash)"
     del slot
     arena.close()
+
+
+def _save_prompt(kv: torch.Tensor) -> None:
+    """Instance A computes PROMPT into blocks [3, 1, 4, 5, 2] and saves it, then exits."""
+    scheduler, worker = instance(kv)
+    request = Request(1, PROMPT)
+    scheduler.get_num_new_matched_tokens(request, 0)
+    scheduler.update_state_after_alloc(request, [3, 1, 4, 5, 2])
+    step(scheduler, worker, SchedulerOutput(
+        new_requests=[RequestData(1, PROMPT, [3, 1, 4, 5, 2], 0, 17)]))  # fmt: skip
+    scheduler.request_finished(request, [3, 1, 4, 5, 2])
+    worker.get_finished([1], [])
+    process_state().close_all()
+
+
+def test_warm_start_is_awaited_without_wait_for_initialization(bucket_env: str) -> None:
+    # Defect 7: the 1.2-era executor never calls wait_for_initialization, so the first
+    # request after a redeploy would find nothing staged. Registration waits instead.
+    kv_a = pool()
+    for b in range(8):
+        kv_a[b] = float(b + 1)
+    _save_prompt(kv_a)
+    args = llm_args()
+    scheduler = S3KVConnectorScheduler(args)
+    worker = S3KVConnectorWorker(args)
+    worker.register_kv_caches(pool())  # ...and no wait_for_initialization, as in 1.2
+    assert scheduler.warm is not None and scheduler.warm.done.is_set()
+    assert scheduler.get_num_new_matched_tokens(Request(7, PROMPT), 0) == (16, False)
+
+
+@dataclass
+class Layout:
+    """The part of TensorRT-LLM's ``KvCacheLayout`` the connector reads."""
+
+    tensor: torch.Tensor | None
+    groups: tuple[object, ...] = (object(),)
+
+    def as_single_pool_tensor(self) -> torch.Tensor | None:
+        return self.tensor
+
+
+def test_v2_layout_with_one_pool_is_registered(bucket_env: str) -> None:
+    # Defect 5: KVCacheManagerV2 calls register_kv_cache_layout instead of register_kv_caches.
+    args = llm_args()
+    scheduler = S3KVConnectorScheduler(args)
+    worker = S3KVConnectorWorker(args)
+    worker.register_kv_cache_layout(Layout(pool()))
+    assert worker.core is not None and scheduler.core is not None
+    assert scheduler.core.manager == "v2"
+
+
+def test_v2_layout_with_several_regions_turns_off_without_raising(
+    bucket_env: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.ERROR)
+    args = llm_args()
+    scheduler = S3KVConnectorScheduler(args)
+    worker = S3KVConnectorWorker(args)
+    worker.register_kv_cache_layout(Layout(None, groups=(object(), object())))  # no raise
+    assert worker.core is None and scheduler.core is None
+    assert any("layer group" in r.getMessage() for r in caplog.records)
+
+
+@pytest.mark.parametrize(
+    ("quant", "files", "on"),
+    [
+        (None, {}, False),  # an int8 pool and no word of INT8 KV: NVFP4-packed data
+        (SimpleNamespace(quant_algo=None, kv_cache_quant_algo="INT8"), {}, True),
+        (None, {"hf_quant_config.json": '{"quantization": {"kv_cache_quant_algo": "INT8"}}'}, True),
+        (
+            None,
+            {"hf_quant_config.json": '{"quantization": {"kv_cache_quant_algo": "NVFP4"}}'},
+            False,
+        ),
+        (
+            None,
+            {"config.json": '{"quantization_config": {"kv_cache_quant_algo": "FP8"}}'},
+            False,
+        ),  # FP8 KV is an fp8 pool; int8 bytes then are not what the config says
+    ],
+)
+def test_int8_pools_need_int8_kv_quantization(
+    bucket_env: str, tmp_path: Any, caplog: pytest.LogCaptureFixture,
+    quant: Any, files: dict[str, str], on: bool,
+) -> None:  # fmt: skip
+    # Defect 9: NVFP4 KV is allocated as an int8 pool; its block scales live elsewhere.
+    caplog.set_level(logging.ERROR)
+    for name, text in files.items():
+        (tmp_path / name).write_text(text)
+    args = llm_args()
+    args.model = str(tmp_path)
+    args.quant_config = quant
+    scheduler = S3KVConnectorScheduler(args)
+    worker = S3KVConnectorWorker(args)
+    worker.register_kv_caches(torch.zeros(8, LAYERS, 2, ELEMS, dtype=torch.int8))
+    assert (worker.core is not None) is on
+    assert (scheduler.core is not None) is on
+
+
+def test_fp4_kv_quantization_is_refused_at_construction(
+    bucket_env: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.ERROR)
+    args = llm_args()
+    args.quant_config = SimpleNamespace(quant_algo="NVFP4", kv_cache_quant_algo="NVFP4")
+    scheduler = S3KVConnectorScheduler(args)
+    assert scheduler.core is None
+    assert any("FP4" in r.getMessage() for r in caplog.records)

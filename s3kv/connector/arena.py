@@ -5,17 +5,19 @@ claimed only when *every* shard is staged. The scheduler lives on rank 0 only, s
 stages all shards, each into a :class:`SlabArena`: anonymous shared memory (``memfd``) cut
 into fixed-size slots (all blocks of one shard have the same size). The metadata carries,
 per load, the slot index of each rank's shard; each worker maps the arena read-only and
-copies its slot into its own GPU block. The slot stays pinned in rank 0's staging until the
-next scheduler step, by which point every rank has finished the forward pass that consumed
-it (the executor's ``get_finished`` all-gather orders the ranks).
+copies its slot into its own GPU block. The slot stays pinned in rank 0's staging until every
+rank has published, on the completion board, that its copy has completed.
 
 The memory has no name in any filesystem: other ranks open it through rank 0's file
 descriptor (``/proc/<pid>/fd/<fd>``), and the kernel frees it when the last process holding
 it exits — also when rank 0 is killed, so nothing can leak into ``/dev/shm``. Pages are
 allocated as they are first written, not up front.
 
-Where CUDA is available the mapping is registered as page-locked (``cudaHostRegister``) so
-host→GPU copies are asynchronous and run at full PCIe/NVLink-C2C speed.
+Where CUDA is available every process's mapping — the owner's and each reader's — is
+registered as page-locked (``cudaHostRegister``), so host→GPU copies on every rank are
+asynchronous and run at full PCIe/NVLink-C2C speed. Asynchronous means the slot must not be
+recycled when the copy is enqueued but only once it has completed: see
+:mod:`s3kv.connector.completion`.
 
 This works for all ranks of one node. Ranks on other nodes cannot map rank 0's memory; see
 the connector README for the multi-node design.
@@ -38,7 +40,12 @@ logger = logging.getLogger(__name__)
 
 
 def _register_pinned(view: memoryview) -> bool:
-    """Page-lock ``view`` for CUDA if torch with CUDA is loaded; True on success."""
+    """Page-lock ``view`` for CUDA in *this process's* mapping; True on success.
+
+    Page-locking is per mapping: rank 0 registering its mapping does nothing for the other
+    ranks' mappings of the same memory, whose copies would otherwise be synchronous copies
+    from pageable memory. Every process that copies from an arena registers its own.
+    """
     import sys
 
     torch: Any = sys.modules.get("torch")
@@ -50,7 +57,23 @@ def _register_pinned(view: memoryview) -> bool:
     except (RuntimeError, AttributeError) as exc:  # pragma: no cover - needs CUDA
         logger.warning("s3kv: cannot pin the staging arena: %s", exc)
         return False
-    return int(result) == 0  # pragma: no cover - needs CUDA
+    if int(result) != 0:  # pragma: no cover - needs CUDA
+        logger.warning("s3kv: cudaHostRegister of the staging arena failed (error %s); host→GPU "
+                       "loads will be synchronous", int(result))  # fmt: skip
+        return False
+    return True  # pragma: no cover - needs CUDA
+
+
+def _unregister_pinned(address: int) -> None:
+    import sys
+
+    torch: Any = sys.modules.get("torch")
+    if torch is None:
+        return
+    try:  # pragma: no cover - needs CUDA
+        torch.cuda.cudart().cudaHostUnregister(address)
+    except (RuntimeError, AttributeError):  # pragma: no cover - needs CUDA
+        logger.debug("s3kv: cudaHostUnregister failed", exc_info=True)
 
 
 class SlabArena:
@@ -61,7 +84,7 @@ class SlabArena:
         fd: The region's file descriptor, in this process.
         slot_bytes: Size of every slot (one block shard).
         slots: Number of slots.
-        owner: True in the creating process (writes; the others map it read-only).
+        owner: True in the creating process (the only writer).
     """
 
     def __init__(self, path: str, fd: int, slot_bytes: int, slots: int, *, owner: bool) -> None:
@@ -69,11 +92,12 @@ class SlabArena:
         self.slot_bytes = slot_bytes
         self.slots = slots
         self.owner = owner
-        access = mmap.ACCESS_WRITE if owner else mmap.ACCESS_READ
         self._fd = fd
-        self._mmap = mmap.mmap(fd, slot_bytes * slots, access=access)
+        # NOTE: readers map it writable too: cudaHostRegister needs a writable mapping (its
+        # read-only flag is not supported everywhere). Only the owner ever writes.
+        self._mmap = mmap.mmap(fd, slot_bytes * slots, access=mmap.ACCESS_WRITE)
         self._array = np.frombuffer(self._mmap, dtype=np.uint8)
-        self.pinned = _register_pinned(memoryview(self._mmap)) if owner else False
+        self.pinned = _register_pinned(memoryview(self._mmap))
         self._free = list(range(slots - 1, -1, -1))
         self._lock = threading.Lock()
 
@@ -98,8 +122,8 @@ class SlabArena:
 
     @classmethod
     def attach(cls, path: str, slot_bytes: int) -> SlabArena:
-        """Map a region created by another process of this host, read-only."""
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        """Map a region created by another process of this host (page-locked under CUDA)."""
+        fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
         size = os.fstat(fd).st_size
         return cls(path, fd, slot_bytes, size // slot_bytes, owner=False)
 
@@ -141,6 +165,9 @@ class SlabArena:
 
     def close(self) -> None:
         """Unmap and close; the memory is freed once no process holds it any more."""
+        if self.pinned:
+            _unregister_pinned(self._array.ctypes.data)
+            self.pinned = False
         del self._array
         try:
             self._mmap.close()

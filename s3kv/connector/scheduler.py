@@ -367,6 +367,12 @@ class SchedulerCore:
 
     # --- end of a request ---
 
+    def abandon(self, request: Any) -> None:
+        """Forget a request whose claim failed half-way: its pins go, nothing is loaded."""
+        state = self._requests.pop(int(request.request_id), None)
+        if state is not None:
+            self._release_unplanned(state)
+
     def request_finished(self, request: Any) -> bool:
         """True if the request had saves planned (the workers report when copies are done)."""
         state = self._requests.pop(int(request.request_id), None)

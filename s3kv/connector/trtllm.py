@@ -173,14 +173,22 @@ class S3KVConnectorScheduler(SchedulerBase):  # type: ignore[misc]
         if not self._warm_awaited:
             self.await_warm_start()
 
-    @_guarded(lambda *a, **k: (0, False))
     def get_num_new_matched_tokens(
         self, request: Any, num_computed_tokens: int
     ) -> tuple[int, bool]:
         """Tokens staged and verified on every rank beyond the device match; loads are sync."""
-        if self.core is None:
+        core = self.core
+        if core is None:
             return 0, False
-        return self.core.get_num_new_matched_tokens(request, num_computed_tokens), False
+        try:
+            return core.get_num_new_matched_tokens(request, num_computed_tokens), False
+        except Exception:
+            logger.exception("s3kv: get_num_new_matched_tokens failed; claiming nothing")
+        try:  # NOTE: the engine hears 0, so no claim state (pins, loads) may survive
+            core.abandon(request)
+        except Exception:
+            logger.exception("s3kv: cannot abandon the failed claim")
+        return 0, False
 
     @_guarded(lambda *a, **k: None)
     def update_state_after_alloc(self, request: Any, block_ids: list[int]) -> None:
@@ -206,7 +214,9 @@ class S3KVConnectorScheduler(SchedulerBase):  # type: ignore[misc]
             logger.exception("s3kv: cannot send claimed loads; outputs may be wrong")
             return EMPTY
 
-    @_guarded(lambda *a, **k: False)
+    # NOTE: on failure keep the blocks: device→host copies of this request may be pending,
+    # and every worker reports the id once its own copies are done (at once if none).
+    @_guarded(lambda *a, **k: True)
     def request_finished(self, request: Any, cache_block_ids: list[int]) -> bool:
         return self.core is not None and self.core.request_finished(request)
 
@@ -298,11 +308,15 @@ class S3KVConnectorWorker(WorkerBase):  # type: ignore[misc]
         if off:
             logger.error("s3kv: connector disabled on rank %d: rank %d: %s", self.rank,
                          off[0].rank, off[0].reason)  # fmt: skip
-            if scheduler is not None:
-                scheduler.initialize(shards)  # turns itself off, naming the rank
+        if scheduler is not None:
+            try:
+                scheduler.initialize(shards)  # with a rank off, turns itself off naming it
+            except Exception as exc:
+                scheduler._turn_off(f"starting the scheduler failed: {exc}")
+                raise
+        if off:
             return
         if scheduler is not None:
-            scheduler.initialize(shards)
             if scheduler.core is None or core is None:
                 return
             core.board = scheduler.core.board

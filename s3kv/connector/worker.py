@@ -28,7 +28,14 @@ import numpy as np
 
 from s3kv.connector.arena import SlabArena
 from s3kv.connector.completion import CompletionBoard
-from s3kv.connector.device import DONE, CopyEngine, StreamEvent, SyncCopyEngine, copy_engine
+from s3kv.connector.device import (
+    DONE,
+    CopyEngine,
+    DeferredStream,
+    StreamEvent,
+    SyncCopyEngine,
+    copy_engine,
+)
 from s3kv.connector.metadata import ConnectorMetadata, LoadOp, SaveOp
 from s3kv.keys import BlockHash
 from s3kv.store import KVStore
@@ -154,14 +161,28 @@ class WorkerCore:
                      for op in metadata.loads]  # fmt: skip
             event = engine.load(pairs, stream)
         except Exception:
-            # NOTE: whatever was enqueued before the failure still reads its sources: fence
-            # it, so the pins are held until that work has run.
+            # NOTE: a claim cannot be withdrawn: whatever was enqueued is fenced (its pins
+            # stay until it has run), then every block is copied again the plain way.
+            logger.exception("s3kv: enqueuing loads failed; copying them synchronously")
             event = self._fence(engine, stream)
-            raise
+            self._load_synchronously(metadata, arena, stream)
         finally:
             self._loads.append((metadata.load_seq, event))
         self.store.metrics.inc("connector_loaded_blocks", len(metadata.loads))
         self.poll_loads()
+
+    def _load_synchronously(
+        self, metadata: ConnectorMetadata, arena: SlabArena | None, stream: Any
+    ) -> None:
+        """The fallback load: ordered after the stream's work, complete when it returns."""
+        if self.cuda and stream is not None:
+            stream.synchronize()
+        elif isinstance(stream, DeferredStream):
+            stream.record_event().synchronize()
+        torch = _torch()
+        for op in metadata.loads:
+            target = self.kv_cache[op.block_id].view(-1).view(torch.uint8)
+            target.copy_(torch.from_numpy(self._load_source(op, arena)))
 
     def _fence(self, engine: CopyEngine, stream: Any) -> StreamEvent:
         try:
