@@ -85,19 +85,20 @@ def register_two_ranks(
     return (schedulers[0] if schedulers else None), workers
 
 
-def test_two_healthy_ranks_come_up_together(
-    bucket_env: str, monkeypatch: pytest.MonkeyPatch
-) -> None:
+@pytest.mark.usefixtures("bucket_env")
+def test_two_healthy_ranks_come_up_together(monkeypatch: pytest.MonkeyPatch) -> None:
     scheduler, workers = register_two_ranks(monkeypatch)
-    assert scheduler is not None and scheduler.core is not None
+    assert scheduler is not None
+    assert scheduler.core is not None
     assert all(w.core is not None for w in workers)
     assert scheduler.core.board.path, "a shared completion board for the TP workers"
 
 
+@pytest.mark.usefixtures("bucket_env")
 @pytest.mark.parametrize("fault", sorted(FAULTS))
 @pytest.mark.parametrize("fault_rank", [0, 1])
 def test_a_fault_on_one_rank_turns_the_connector_off_on_every_rank(
-    bucket_env: str, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture,
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture,
     fault: str, fault_rank: int,
 ) -> None:  # fmt: skip
     if fault in ("weights_revision", "scheduler_initialize") and fault_rank == 1:

@@ -330,7 +330,8 @@ def test_warm_start_is_awaited_without_wait_for_initialization(bucket_env: str) 
     scheduler = S3KVConnectorScheduler(args)
     worker = S3KVConnectorWorker(args)
     worker.register_kv_caches(pool())  # ...and no wait_for_initialization, as in 1.2
-    assert scheduler.warm is not None and scheduler.warm.done.is_set()
+    assert scheduler.warm is not None
+    assert scheduler.warm.done.is_set()
     assert scheduler.get_num_new_matched_tokens(Request(7, PROMPT), 0) == (16, False)
 
 
@@ -351,7 +352,8 @@ def test_v2_layout_with_one_pool_is_registered(bucket_env: str) -> None:
     scheduler = S3KVConnectorScheduler(args)
     worker = S3KVConnectorWorker(args)
     worker.register_kv_cache_layout(Layout(pool()))
-    assert worker.core is not None and scheduler.core is not None
+    assert worker.core is not None
+    assert scheduler.core is not None
     assert scheduler.core.manager == "v2"
 
 
@@ -363,7 +365,8 @@ def test_v2_layout_with_several_regions_turns_off_without_raising(
     scheduler = S3KVConnectorScheduler(args)
     worker = S3KVConnectorWorker(args)
     worker.register_kv_cache_layout(Layout(None, groups=(object(), object())))  # no raise
-    assert worker.core is None and scheduler.core is None
+    assert worker.core is None
+    assert scheduler.core is None
     assert any("layer group" in r.getMessage() for r in caplog.records)
 
 
