@@ -5,7 +5,7 @@ bucket; it is shut down. Instance B — a new ``LLM`` object, as after a redeplo
 system prompt's blocks at startup (warm start) and answers the same prompt: its output is
 identical, and its prefill skips the cached blocks.
 
-Runs where TensorRT-LLM (>= 1.1, PyTorch backend) and a GPU exist::
+Runs where TensorRT-LLM (>= 1.2, PyTorch backend) and a GPU exist::
 
     export TLLM_S3KV_BUCKET=my-kv-bucket            # plus AWS credentials / endpoint
     python examples/trtllm_llm_api.py --model Qwen/Qwen2.5-0.5B-Instruct
