@@ -234,6 +234,7 @@ class S3KVConnectorWorker(WorkerBase):  # type: ignore[misc]
         self.manager = "v1"  # "v2" once registered through register_kv_cache_layout
         self._registered = False
         self._pending_core: WorkerCore | None = None
+        self._kv: Any = None
         try:
             self.config: S3KVConfig | None = S3KVConfig.load()
         except S3KVError as exc:
@@ -287,11 +288,17 @@ class S3KVConnectorWorker(WorkerBase):  # type: ignore[misc]
             return UNKNOWN, f"cannot derive the weights revision: {exc}"
 
     def _register_local(self, kv: Any, revision: str, problem: str) -> ShardInfo:
-        """This rank's shard identity, store and core (no collectives)."""
+        """This rank's shard identity, store and core (no collectives).
+
+        Rank 0 opens nothing here: its scheduler opens every shard's store after the
+        all-gather (under tensor parallelism backed by the shared staging arenas), and rank
+        0's worker then uses shard 0's store from there.
+        """
         if problem:
             self.off_reason = problem
         info = self._describe(kv, revision)
-        if info.identity is None or self.config is None:
+        self._kv = kv
+        if info.identity is None or self.config is None or self.rank == 0:
             return info
         try:
             store = process_state().open_store(self.config, info.identity)
@@ -316,9 +323,13 @@ class S3KVConnectorWorker(WorkerBase):  # type: ignore[misc]
                 raise
         if off:
             return
-        if scheduler is not None:
-            if scheduler.core is None or core is None:
-                return
+        if self.rank == 0:
+            shards_on = scheduler.core.shards if scheduler and scheduler.core else None
+            if scheduler is None or scheduler.core is None or shards_on is None:
+                return  # rank 0's scheduler is off: nothing will be planned for any rank
+            assert self.config is not None  # an identity implies a configuration
+            core = WorkerCore(0, shards_on.stores[0], self._kv,
+                              self.config.max_inflight_save_bytes)  # fmt: skip
             core.board = scheduler.core.board
             scheduler.await_warm_start()
         self.core = core
