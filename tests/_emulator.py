@@ -82,6 +82,7 @@ def executor(
     num_blocks: int = 64,
     model: PagedLlama | None = None,
     stall_timeout_s: float = 60.0,
+    late_device: bool | None = None,
     **overrides: Any,
 ) -> PyExecutorEmulator:
     """An executor on the tiny model, with ``rec``'s classes as the connector (if given)."""
@@ -97,6 +98,7 @@ def executor(
         num_blocks=num_blocks,
         overlap=overlap,
         stall_timeout_s=stall_timeout_s,
+        late_device=late_device,
         **classes,
     )
 

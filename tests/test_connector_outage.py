@@ -46,9 +46,12 @@ def test_outage_claims_nothing_then_recovers(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     server = LocalS3.start(tmp_path / "s3", bucket="outage", die_with_parent=True)
+    # NOTE: a generous read timeout: a fresh SeaweedFS on a loaded 2-core machine can take
+    # seconds to answer its first PUTs; the outage below is refused connections, which the
+    # connect timeout bounds.
     for name, value in {
         **server.env(), "TLLM_S3KV_MODEL_REVISION": "tiny", "TLLM_S3KV_MAX_ATTEMPTS": "1",
-        "TLLM_S3KV_CONNECT_TIMEOUT": "0.5", "TLLM_S3KV_READ_TIMEOUT": "2",
+        "TLLM_S3KV_CONNECT_TIMEOUT": "0.5", "TLLM_S3KV_READ_TIMEOUT": "10",
         "TLLM_S3KV_BREAKER_FAILURES": "2", "TLLM_S3KV_BREAKER_COOLDOWN": str(COOLDOWN_S),
         "TLLM_S3KV_MANIFEST_FLUSH_INTERVAL": "0.1",
     }.items():  # fmt: skip

@@ -9,7 +9,7 @@ computing only the prompt's tail; a connector that claims without loading must n
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any, ClassVar
 
 import pytest
@@ -21,11 +21,20 @@ from s3kv.connector.api import (
     KvCacheConnectorWorker,
     SchedulerOutput,
 )
+from s3kv.connector.device import DeferredStream
 from s3kv.emulator.executor import PyExecutorEmulator
 from s3kv.emulator.llm_args import TorchLlmArgs
 from s3kv.emulator.model import PagedLlama
 
 Key = tuple[Any, ...]
+
+
+def _on_stream(stream: Any, work: Callable[[], None]) -> None:
+    """Run ``work`` in stream order: queued on a late (emulated) device, else now."""
+    if isinstance(stream, DeferredStream):
+        stream.enqueue(work)
+    else:
+        work()
 
 
 @pytest.fixture(autouse=True)
@@ -99,7 +108,7 @@ class _MemWorker(KvCacheConnectorWorker):
             if self.load_async:
                 self.parked.setdefault(rid, []).append((block, key))
             elif not self.skip_loads:
-                self.pool[block].copy_(self.store[key])
+                _on_stream(stream, lambda b=block, k=key: self.pool[b].copy_(self.store[k]))
 
     def wait_for_layer_load(self, layer_idx: int, stream: Any) -> None:
         pass
@@ -110,7 +119,11 @@ class _MemWorker(KvCacheConnectorWorker):
     def wait_for_save(self, stream: Any) -> None:
         meta: dict[str, Any] = self.get_connector_meta()  # type: ignore[assignment]
         for block, key in meta["saves"]:
-            self.store[key] = self.pool[block].clone()
+
+            def save(block: int = block, key: Key = key) -> None:
+                self.store[key] = self.pool[block].clone()
+
+            _on_stream(stream, save)  # NOTE: after the queued forward pass that wrote it
 
     def get_finished(
         self, finished_gen_req_ids: list[int], started_loading_req_ids: list[int]

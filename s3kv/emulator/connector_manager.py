@@ -2,14 +2,18 @@
 
 Reproduces ``tensorrt_llm/_torch/pyexecutor/connectors/kv_cache_connector.py`` (read at
 ``035ab91c``; the older ``_torch/pyexecutor/kv_cache_connector.py`` at ``00fdcbff`` has the
-same core) for the tensor-parallel path (no attention DP, one layer group, V1 manager):
+same core) for the tensor-parallel path (no attention DP, one layer group, V1 or V2 manager):
 
 * The scheduler exists on rank 0 only; scheduler calls whose result every rank needs run
   there and are broadcast (``_run_on_leader``). The result is always pickled and unpickled,
   on rank 0 too and with one rank, so unpicklable metadata fails here as it would under TP.
-* ``get_num_new_matched_tokens`` rejects generation-only requests and ``(0, True)``, records
-  async loads and the claimed count (subtracted from ``computed_position`` in the request's
-  first report, then forgotten).
+* ``get_num_new_matched_tokens`` (V1) rejects generation-only requests and ``(0, True)``,
+  records async loads and the claimed count (subtracted from ``computed_position`` in the
+  request's first report, then forgotten). It is ``query_num_new_matched_tokens`` (no side
+  effects) followed by ``commit_new_matched_tokens`` (what the runtime honours), which
+  ``KVCacheManagerV2`` calls separately because it may honour less than the offer.
+* On V2 each report carries ``new_block_ids_by_layer_group`` (see
+  ``_ReportedRequest.update_and_build_data``).
 * ``get_finished`` passes each id to the worker exactly once, keeps what one rank finished
   until every rank has (allgather + intersection), moves finished loads back to
   ``CONTEXT_INIT`` and returns finished saves for termination.
@@ -77,12 +81,33 @@ class _ReportedRequest:
 
     def __init__(self) -> None:
         self.block_ids: list[int] = []
+        self.block_ids_by_group: list[list[int]] = []
         self.tokens: list[int] = []
 
     def update_and_build_data(self, req: LlmRequest, kv: KVCacheManager) -> RequestData:
+        """One report (``update_and_build_data`` @ ``035ab91c``).
+
+        V1: ``new_block_ids`` is the delta of ``get_cache_indices``, no per-group ids. V2
+        (``KVCacheManagerV2``): the delta of each group of ``get_page_indices_by_layer_group``
+        in ``new_block_ids_by_layer_group``, ``new_block_ids`` is group 0's delta when there is
+        one group (``[]`` for several); ``block_hashes`` empty and ``priorities`` ``None`` on
+        both here (V1 hashes and retention are not emulated).
+        """
+        from s3kv.emulator.kv_cache_manager_v2 import KVCacheManagerV2
+
         tokens = req.get_tokens(0)
-        block_ids = kv.get_cache_indices(req)
-        new_block_ids = block_ids[len(self.block_ids) :]
+        by_group: list[list[int]] = []
+        if isinstance(kv, KVCacheManagerV2):
+            indices_by_group = kv.get_page_indices_by_layer_group(req)
+            while len(self.block_ids_by_group) < len(indices_by_group):
+                self.block_ids_by_group.append([])
+            for seen, indices in zip(self.block_ids_by_group, indices_by_group, strict=False):
+                new_ids = indices[len(seen) :]
+                seen.extend(new_ids)
+                by_group.append(new_ids)
+            new_block_ids = list(by_group[0]) if len(by_group) == 1 else []
+        else:
+            new_block_ids = kv.get_cache_indices(req)[len(self.block_ids) :]
         new_tokens = tokens[len(self.tokens) :]
         self.block_ids.extend(new_block_ids)
         self.tokens.extend(new_tokens)
@@ -102,6 +127,7 @@ class _ReportedRequest:
             computed_position=computed_position,
             num_scheduled_tokens=num_scheduled,
             cache_salt=req.cache_salt,
+            new_block_ids_by_layer_group=by_group,
         )
 
 
@@ -135,6 +161,11 @@ class SchedulerOutputManager:
     def record_new_matched_tokens(self, request: Any, num_tokens: int) -> None:
         """Remember a claim until the next scheduler output."""
         self.external_loads[request.request_id] = num_tokens
+
+    def reset_request(self, request_id: int) -> None:
+        """Forget a request's deltas, so that a replay is reported as new (``035ab91c``)."""
+        self.requests.pop(request_id, None)
+        self.external_loads.pop(request_id, None)
 
 
 class KvCacheConnectorManager:
@@ -173,6 +204,7 @@ class KvCacheConnectorManager:
         self._scheduler_output: SchedulerOutput | None = None
         self.scheduler_output_manager = SchedulerOutputManager()
         self.completed_transfers = 0  # saves and loads finished on every rank, so far
+        self.handle_metadata_calls = 0
 
     def _run_on_leader(self, f: Callable[[KvCacheConnectorScheduler], T]) -> T:
         res: Any = None
@@ -185,24 +217,53 @@ class KvCacheConnectorManager:
 
     # --- allocation (from KVCacheManager.add_sequence / prepare_resources) ---
 
+    def query_num_new_matched_tokens(
+        self, request: Any, num_computed_tokens: int
+    ) -> tuple[int, bool]:
+        """Ask the scheduler how much it can serve past ``num_computed_tokens``; no side effects.
+
+        ``query_num_new_matched_tokens`` @ ``035ab91c``: the leader's answer, broadcast. The
+        caller must ask at most once per allocation and then call
+        :meth:`commit_new_matched_tokens` with what it honours (V2 allocates per chunk, so it
+        may honour less than the offer).
+
+        Raises:
+            RuntimeError: The scheduler answered ``(0, True)``.
+        """
+        num_tokens, load_kv_async = self._run_on_leader(
+            lambda s: s.get_num_new_matched_tokens(request, num_computed_tokens)
+        )
+        if num_tokens == 0 and load_kv_async:
+            raise RuntimeError("load_kv_async must be False when num_tokens is 0!")
+        return int(num_tokens), bool(load_kv_async)
+
+    def commit_new_matched_tokens(self, request: Any, num_tokens: int, load_kv_async: bool) -> None:
+        """Record the honoured count (``commit_new_matched_tokens`` @ ``035ab91c``).
+
+        ``load_kv_async`` parks the request even when ``num_tokens`` is 0 (upstream passes it
+        through unmodified); ``num_tokens`` is subtracted from ``computed_position`` in the
+        next scheduler output and set as ``request.py_num_connector_matched_tokens``.
+        """
+        if load_kv_async:
+            self.new_async_requests.loading[request.request_id] = request
+        self.scheduler_output_manager.record_new_matched_tokens(request, num_tokens)
+        request.py_num_connector_matched_tokens = num_tokens
+
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> int:
-        """Ask the scheduler for tokens beyond the device match; record the answer.
+        """V1: query and commit in one step (the C++ manager honours the whole offer).
 
         Raises:
             RuntimeError: Generation-only request, or the scheduler answered ``(0, True)``.
         """
         if request.is_generation_only_request:
             raise RuntimeError("Connector API is not supported for generation-only requests!")
-        num_tokens, load_kv_async = self._run_on_leader(
-            lambda s: s.get_num_new_matched_tokens(request, num_computed_tokens)
-        )
-        if num_tokens == 0 and load_kv_async:
-            raise RuntimeError("load_kv_async must be False when num_tokens is 0!")
-        if load_kv_async:
-            self.new_async_requests.loading[request.request_id] = request
-        self.scheduler_output_manager.record_new_matched_tokens(request, num_tokens)
-        request.py_num_connector_matched_tokens = num_tokens
-        return int(num_tokens)
+        num_tokens, load_kv_async = self.query_num_new_matched_tokens(request, num_computed_tokens)
+        self.commit_new_matched_tokens(request, num_tokens, load_kv_async)
+        return num_tokens
+
+    def reset_request_state(self, request: LlmRequest) -> None:
+        """A destroyed allocation: its next report is a new request again (``035ab91c``)."""
+        self.scheduler_output_manager.reset_request(request.request_id)
 
     def should_add_sequence(self, request: LlmRequest) -> bool:
         """False for a request whose blocks were allocated before its async load."""
@@ -235,7 +296,13 @@ class KvCacheConnectorManager:
             setattr(batch, key, kept)
 
     def handle_metadata(self) -> None:
-        """``build_connector_meta`` on the leader, broadcast, bind on every worker."""
+        """``build_connector_meta`` on the leader, broadcast, bind on every worker.
+
+        A no-op without a scheduler output since the last call (main's executor calls it
+        every iteration, see :mod:`s3kv.emulator.loop`); :attr:`handle_metadata_calls` counts
+        every call.
+        """
+        self.handle_metadata_calls += 1
         if self._scheduler_output is None:
             return
         output = self._scheduler_output
@@ -302,6 +369,31 @@ class KvCacheConnectorManager:
         """The scheduler's start-up wait (rank 0 only)."""
         if self.scheduler is not None:
             self.scheduler.wait_for_initialization()
+
+    def check_bookkeeping(self) -> None:
+        """Assert the async-transfer bookkeeping is consistent (for fault-injection tests).
+
+        Every async request is in exactly one of new / pending / locally finished, and no id
+        is both saving and loading. A worker that returns an id twice or one it was never
+        given does not get here: ``get_finished`` raises ``KeyError`` from ``extract_by_id``
+        first, as upstream (``AsyncRequests.extract_by_id`` @ ``035ab91c``).
+
+        Raises:
+            AssertionError: An id is held twice.
+        """
+        groups = (
+            self.new_async_requests,
+            self.pending_async_requests,
+            self.local_finished_async_requests,
+        )
+        for kind in ("saving", "loading"):
+            ids = [rid for group in groups for rid in getattr(group, kind)]
+            if len(ids) != len(set(ids)):
+                raise AssertionError(f"async {kind} ids held twice: {sorted(ids)}")
+        saving = {rid for group in groups for rid in group.saving}
+        loading = {rid for group in groups for rid in group.loading}
+        if saving & loading:
+            raise AssertionError(f"ids both saving and loading: {sorted(saving & loading)}")
 
 
 __all__ = [

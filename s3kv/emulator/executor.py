@@ -7,7 +7,9 @@ Construction follows ``py_executor_creator.py`` and ``PyExecutor.__init__``:
    ``importlib``) are built concurrently in a 2-thread pool: the worker on every rank, the
    scheduler on rank 0 only; ``worker.register_forward_pass_callable()``; the manager;
 3. ``_maybe_init_kv_connector_manager``: rejects PP/CP > 1, beam search, attention DP and a
-   host cache tier, then ``worker.register_kv_caches(pool)``, the layer hooks and
+   host cache tier, then ``worker.register_kv_caches(pool)`` (``KVCacheManagerV2``:
+   ``register_kv_cache_layout(layout)``, or the base default through
+   ``layout.as_single_pool_tensor()``), the layer hooks and, on the main runtime only,
    ``scheduler.wait_for_initialization()``.
 
 Rejections raise :class:`UnsupportedConfiguration`, which is both ``NotImplementedError``
@@ -25,19 +27,23 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import math
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import Any, Literal
 
 from s3kv.connector.api import KvCacheConnectorScheduler, KvCacheConnectorWorker
 from s3kv.connector.comm import Collectives, get_collectives
 from s3kv.emulator.connector_manager import KvCacheConnectorManager
-from s3kv.emulator.kv_cache_manager import KVCacheManager
+from s3kv.emulator.device import LateDevice
+from s3kv.emulator.kv_cache_manager import KVCacheManager, PrefixStats
+from s3kv.emulator.kv_cache_manager_v2 import KVCacheManagerV2
+from s3kv.emulator.layout import register_kv_cache_layout
 from s3kv.emulator.llm_args import CapacitySchedulerPolicy, TorchLlmArgs
 from s3kv.emulator.loop import ExecutorLoop, Tracked
 from s3kv.emulator.model import PagedLlama
-from s3kv.emulator.request import LlmRequest
+from s3kv.emulator.request import FinishReason, LlmRequest
 from s3kv.emulator.scheduler import RequestScheduler
 
 ModelSource = PagedLlama | Callable[[int, int], PagedLlama]
@@ -63,8 +69,13 @@ class GenerationResult:
         connector_tokens: Prompt tokens the connector claimed.
         computed_tokens: Prompt tokens computed by the forward passes.
         loaded_async: The connector loaded asynchronously (the request was parked).
-        ttft_s: Wall seconds from submission to the first generated token.
-        latency_s: Wall seconds from submission to the last generated token.
+        ttft_s: Wall seconds from submission to the first generated token (``nan`` when a
+            cancelled or failed request produced none).
+        latency_s: Wall seconds from submission to the last generated token (to the
+            cancellation or failure).
+        finish_reason: ``LENGTH``, ``CANCELLED`` (:meth:`PyExecutorEmulator.cancel`) or
+            ``ERROR`` (:meth:`PyExecutorEmulator.fail_all`).
+        error: The error message of a failed request.
     """
 
     request_id: int
@@ -76,10 +87,12 @@ class GenerationResult:
     loaded_async: bool
     ttft_s: float
     latency_s: float
+    finish_reason: FinishReason = FinishReason.LENGTH
+    error: str | None = None
 
 
 class PyExecutorEmulator:
-    """An emulated TensorRT-LLM PyExecutor (V1 KV cache manager) for one rank."""
+    """An emulated TensorRT-LLM PyExecutor (V1 or V2 KV cache manager) for one rank."""
 
     def __init__(
         self,
@@ -93,6 +106,8 @@ class PyExecutorEmulator:
         stream: Any = None,
         collectives: Collectives | None = None,
         stall_timeout_s: float = 60.0,
+        late_device: bool | None = None,
+        runtime: Literal["1.2", "main"] = "main",
     ) -> None:
         """Build the executor, its KV pool and (optionally) the connector.
 
@@ -107,22 +122,48 @@ class PyExecutorEmulator:
             overlap: Run the overlap loop; ``None`` follows
                 ``not llm_args.disable_overlap_scheduler``.
             stream: Passed as ``stream`` to the worker; ``None`` means
-                ``torch.cuda.current_stream()`` on a CUDA model and ``None`` on the CPU.
+                ``torch.cuda.current_stream()`` on a CUDA model, the late device's stream
+                with ``late_device`` and ``None`` otherwise.
             collectives: Rank and collectives; default
                 :func:`s3kv.connector.comm.get_collectives`.
             stall_timeout_s: Idle seconds (nothing scheduled, transfers pending) before
                 :class:`EmulatorStall`.
+            late_device: Queue the model's work, and hand the worker the stream of, a
+                :class:`~s3kv.emulator.device.LateDevice` that runs it only where the host
+                synchronises (see :mod:`s3kv.emulator.loop`). ``None``: on when the model is
+                on the CPU and no ``stream`` is given. Never on a CUDA model (real streams).
+
+            runtime: Which TensorRT-LLM to emulate. ``"main"`` (py_executor.py @
+                ``00043967``, connector manager @ ``035ab91c``): ``wait_for_initialization``
+                at construction, ``handle_metadata`` every iteration, ``KVCacheManagerV2``
+                available. ``"1.2"`` (the 155 kB py_executor.py, stored-file id 3542389387):
+                no ``wait_for_initialization``, ``handle_metadata`` only inside
+                ``_kv_connector_start_batch``, V1 only.
 
         Raises:
             UnsupportedConfiguration: A configuration TensorRT-LLM rejects with a connector,
-                or one this emulator does not model.
-            ValueError: Inconsistent arguments (block size, TP size, one class only).
+                or one this emulator does not model (V2 on the 1.2 runtime).
+            ValueError: Inconsistent arguments (block size, TP size, one class only,
+                ``late_device=True`` with a CUDA model or an explicit ``stream``).
         """
+        if runtime not in ("1.2", "main"):
+            raise ValueError(f"runtime: must be '1.2' or 'main', got {runtime!r}")
+        if runtime == "1.2" and llm_args.kv_cache_config.use_kv_cache_manager_v2:
+            raise UnsupportedConfiguration(
+                "kv_cache_config.use_kv_cache_manager_v2: the 1.2-era runtime has no "
+                "KVCacheManagerV2 connector path (query/commit, layouts)"
+            )
+        self.runtime = runtime
         self.llm_args = llm_args
         self.collectives = collectives if collectives is not None else get_collectives()
         rank, world = self.collectives.rank, self.collectives.world_size
         self.model = model if isinstance(model, PagedLlama) else model(rank, world)
         self._stream = stream
+        on_cpu = self.model.device.type != "cuda"
+        if late_device and (not on_cpu or stream is not None):
+            raise ValueError("late_device: only for a CPU model without an explicit stream")
+        use_late = on_cpu and stream is None if late_device is None else late_device
+        self.device: LateDevice | None = LateDevice() if use_late else None
         self._stall_timeout_s = stall_timeout_s
         self._idle_since: float | None = None
         kv_config = llm_args.kv_cache_config
@@ -150,7 +191,8 @@ class PyExecutorEmulator:
             )
         _check_executor_envelope(llm_args, connector=classes is not None)
         self.pool = self.model.new_pool(num_blocks)
-        self.kv_cache_manager = KVCacheManager(
+        manager_cls = KVCacheManagerV2 if kv_config.use_kv_cache_manager_v2 else KVCacheManager
+        self.kv_cache_manager: KVCacheManager = manager_cls(
             num_blocks=num_blocks,
             tokens_per_block=tpb,
             enable_block_reuse=kv_config.enable_block_reuse,
@@ -158,6 +200,7 @@ class PyExecutorEmulator:
             copy_on_partial_reuse=kv_config.copy_on_partial_reuse,
             pool=self.pool,
             connector_manager=self.connector_manager,
+            enqueue=None if self.device is None else self.device.enqueue,
         )
         self._loop = ExecutorLoop(
             model=self.model,
@@ -175,19 +218,28 @@ class PyExecutorEmulator:
             overlap=self.overlap,
             stream=self.current_stream,
             clock=time.perf_counter,
+            device=self.device,
+            runtime=runtime,
         )
         # NOTE: the first max_batch_size ids are reserved for dummy requests upstream.
         self._next_id = llm_args.max_batch_size
         if self.connector_manager is not None:
-            self.connector_manager.worker.register_kv_caches(
-                self.kv_cache_manager.get_unique_primary_pool()
-            )
-            self.connector_manager.wait_for_initialization()
+            worker = self.connector_manager.worker
+            if isinstance(self.kv_cache_manager, KVCacheManagerV2):
+                # NOTE: V2's call site was not located (trtllm-notes.md section 3); placed
+                # where V1 registers. Without the method: the base class default.
+                register_kv_cache_layout(worker, self.kv_cache_manager.get_kv_cache_layout())
+            else:
+                worker.register_kv_caches(self.kv_cache_manager.get_unique_primary_pool())
+            if runtime == "main":  # NOTE: added after 1.2 (PR #9698)
+                self.connector_manager.wait_for_initialization()
 
     # --- public API ---
 
     def current_stream(self) -> Any:
         """The stream handed to the worker (``torch.cuda.current_stream()`` upstream)."""
+        if self.device is not None:
+            return self.device.stream()
         if self._stream is not None or self.model.device.type != "cuda":
             return self._stream
         import torch
@@ -247,14 +299,31 @@ class PyExecutorEmulator:
         return [self.result(rid) for rid in ids]
 
     def run_until_complete(self, request_ids: Sequence[int]) -> None:
-        """Iterate until every request in ``request_ids`` has finished generating."""
+        """Iterate until every request in ``request_ids`` has finished generating.
+
+        Returns with the device synchronised (no queued work left).
+        """
         while not all(self.is_finished(rid) for rid in request_ids):
             self._checked_step()
+        self.synchronize()
 
     def drain(self) -> None:
-        """Iterate until no request is active and no async transfer is pending."""
+        """Iterate until no request is active and no async transfer is pending.
+
+        Returns with the device synchronised (no queued work left).
+        """
         while self._loop.active or self._transfers_pending():
             self._checked_step()
+        self.synchronize()
+
+    def synchronize(self) -> None:
+        """Run all queued device work (a no-op without a late device).
+
+        Under tensor parallelism queued work contains all-reduces: every rank must call this
+        at the same point.
+        """
+        if self.device is not None:
+            self.device.synchronize()
 
     def step(self) -> bool:
         """Run one iteration; whether anything moved."""
@@ -272,10 +341,12 @@ class PyExecutorEmulator:
             RuntimeError: The request has not finished.
         """
         tracked = self._loop.tracked[request_id]
-        if tracked.finished is None or tracked.first_token is None:
+        if tracked.finished is None:
             raise RuntimeError(f"request {request_id} has not finished")
         req = tracked.request
-        stats = self.kv_cache_manager.prefix_stats[request_id]
+        # NOTE: a request cancelled or failed before its allocation has no prefix stats.
+        stats = self.kv_cache_manager.prefix_stats.get(request_id, PrefixStats(0, 0))
+        first = tracked.first_token
         tokens = req.get_tokens(0)
         return GenerationResult(
             request_id=request_id,
@@ -285,9 +356,33 @@ class PyExecutorEmulator:
             connector_tokens=stats.connector_tokens,
             computed_tokens=req.prompt_len - stats.reused_tokens - stats.connector_tokens,
             loaded_async=tracked.loaded_async,
-            ttft_s=tracked.first_token - tracked.submitted,
+            ttft_s=math.nan if first is None else first - tracked.submitted,
             latency_s=tracked.finished - tracked.submitted,
+            finish_reason=req.finish_reason or FinishReason.LENGTH,
+            error=self._loop.errors.get(request_id),
         )
+
+    def cancel(self, request_id: int) -> None:
+        """Cancel a request; handled at the next iteration's ``_handle_canceled_requests``.
+
+        The request then finishes as ``CANCELLED`` and is freed without ``request_finished``
+        (see :meth:`s3kv.emulator.loop.ExecutorLoop._handle_canceled_requests`); a request
+        that already finished is unaffected. Plain loop: handled in an iteration that runs a
+        forward pass; overlap loop: in one that commits a previous batch.
+
+        Raises:
+            KeyError: Unknown id.
+        """
+        if self._loop.tracked[request_id].finished is None:
+            self._loop.canceled.add(request_id)
+
+    def fail_all(self, message: str) -> list[int]:
+        """``_handle_errors(message)`` with no request list: fail every active request.
+
+        Each is terminated (``free_resources``) without any connector call; results have
+        ``finish_reason == ERROR`` and ``error == message``. Returns the failed ids.
+        """
+        return self._loop.fail_all(message)
 
     # --- internals ---
 

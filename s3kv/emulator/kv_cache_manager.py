@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from s3kv.emulator.blocks import BlockPool, BlockTokens, RootKey
@@ -69,6 +70,7 @@ class KVCacheManager:
         copy_on_partial_reuse: bool = True,
         pool: Any = None,
         connector_manager: KvCacheConnectorManager | None = None,
+        enqueue: Callable[[Callable[[], None]], None] | None = None,
     ) -> None:
         """Create the manager.
 
@@ -81,6 +83,9 @@ class KVCacheManager:
             pool: The ``[blocks, layers, 2, block_elems]`` tensor (needed only for copies);
                 :meth:`get_unique_primary_pool` returns it.
             connector_manager: Consulted in :meth:`add_sequence`; ``None`` for no connector.
+            enqueue: Queues a block copy on the device (a late device's ``enqueue``), so it
+                runs after the queued forward passes that write its source; ``None``: copy
+                at once.
         """
         if pool is not None and int(pool.shape[0]) != num_blocks:
             raise ValueError(f"pool: has {pool.shape[0]} blocks, num_blocks is {num_blocks}")
@@ -90,6 +95,7 @@ class KVCacheManager:
         self.copy_on_partial_reuse = copy_on_partial_reuse
         self.kv_connector_manager = connector_manager
         self._pool = pool
+        self._enqueue = enqueue
         self._blocks = BlockPool(num_blocks, self._copy_block)
         self._sequences: dict[int, _Sequence] = {}
         self.prefix_stats: dict[int, PrefixStats] = {}
@@ -101,8 +107,17 @@ class KVCacheManager:
         return self._pool
 
     def _copy_block(self, src: int, dst: int) -> None:
-        if self._pool is not None:
-            self._pool[dst].copy_(self._pool[src])
+        pool = self._pool
+        if pool is None:
+            return
+
+        def copy() -> None:
+            pool[dst].copy_(pool[src])
+
+        if self._enqueue is None:
+            copy()
+        else:
+            self._enqueue(copy)
 
     def get_num_free_blocks(self) -> int:
         """Blocks not held by any sequence (reusable blocks included)."""
@@ -209,7 +224,9 @@ class KVCacheManager:
         seq = self._sequences.pop(request.request_id, None)
         if seq is None:
             return
-        if self.enable_block_reuse:
+        # NOTE: freed before its prefill ended (cancelled, failed, parked in a load): what was
+        # computed is already stored (store_context_blocks); the rest holds no valid KV.
+        if self.enable_block_reuse and request.context_remaining_length == 0:
             tokens = request.get_tokens(0)
             # NOTE: the last token's KV is never computed, hence len - 1.
             usable = min(len(tokens) - 1, seq.num_tokens)

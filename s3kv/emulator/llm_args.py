@@ -31,7 +31,7 @@ class CapacitySchedulerPolicy(str, enum.Enum):
 
 @dataclasses.dataclass
 class KvCacheConfig:
-    """``llm_args.kv_cache_config`` (V1 manager fields only).
+    """``llm_args.kv_cache_config`` (the fields the emulated managers read).
 
     Attributes:
         tokens_per_block: Tokens per KV block.
@@ -43,6 +43,8 @@ class KvCacheConfig:
         max_tokens: KV capacity in tokens (informational here: the emulator takes
             ``num_blocks`` explicitly).
         free_gpu_memory_fraction: Informational.
+        use_kv_cache_manager_v2: Opt in to ``KVCacheManagerV2`` (TensorRT-LLM's field name,
+            quoted in ``connectors/kv_cache_connector.py`` @ ``035ab91c``); main runtime only.
     """
 
     tokens_per_block: int = 32
@@ -53,6 +55,7 @@ class KvCacheConfig:
     dtype: str = "auto"
     max_tokens: int | None = None
     free_gpu_memory_fraction: float | None = None
+    use_kv_cache_manager_v2: bool = False
 
 
 @dataclasses.dataclass

@@ -32,18 +32,21 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Callable, Sequence
-from typing import Any, Final
+from typing import Any, Final, TypeVar
 
 import torch
 import torch.nn.functional as F  # noqa: N812  (the conventional name)
 from torch import distributed as dist
 
+from s3kv.emulator.device import DeviceValue, Work
 from s3kv.emulator.geometry import (
     KvGeometry,
     kv_heads_for_rank,
     query_heads_for_rank,
     split_range,
 )
+
+T = TypeVar("T")
 
 LayerHook = Callable[[int], None]
 """``hook(layer_idx)``; becomes the connector's ``wait_for_layer_load`` / ``save_kv_layer``."""
@@ -333,26 +336,97 @@ class PagedLlama:
         post_layer: LayerHook | None = None,
     ) -> list[torch.Tensor]:
         """:meth:`forward`, returning each item's ``[vocab]`` logits at ``end - 1`` instead."""
-        kv = self._check_pool(pool)
+        self._check_pool(pool)
         if not items:
             return []
-        plans = self._plan(items, num_blocks=pool.shape[0])
-        ids = torch.tensor(
-            [t for item in items for t in item.tokens[item.start : item.end]],
-            dtype=torch.long,
-            device=self.device,
+        batch = list(items)
+        value = self._staged(
+            lambda: batch, pool, _run_now, pre_layer, post_layer, lambda x: list(x.unbind(0))
         )
-        with torch.no_grad():
-            hidden = F.embedding(ids, self._w.embed)  # packed [sum(T), hidden]
-            for index, layer in enumerate(self._w.layers):
-                if pre_layer is not None:
-                    pre_layer(index)
-                hidden = self._layer(index, layer, hidden, plans, kv)
-                if post_layer is not None:
-                    post_layer(index)
-            last = hidden[torch.tensor([p.rows.stop - 1 for p in plans], device=self.device)]
-            logits = F.linear(self._rms(last, self._w.final_norm), self._w.lm_head)
-        return list(logits.unbind(0))
+        return value.get()
+
+    def enqueue_forward(
+        self,
+        items: Callable[[], Sequence[ForwardItem]],
+        pool: torch.Tensor,
+        enqueue: Callable[[Work], None],
+        *,
+        pre_layer: LayerHook | None = None,
+        post_layer: LayerHook | None = None,
+    ) -> DeviceValue[list[int]]:
+        """:meth:`forward` as device work: the arithmetic is queued, the hooks run now.
+
+        Queues ``num_layers + 2`` work items with ``enqueue``: the embedding (which calls
+        ``items()`` when it *runs*, so an item may depend on the value of earlier work, e.g.
+        a token sampled by the previous pass), one per layer, and the sampling. On the host,
+        before returning, it calls ``pre_layer(i)`` right before queueing layer ``i`` and
+        ``post_layer(i)`` right after, in layer order, as TensorRT-LLM's module hooks fire
+        while the host enqueues kernels; work a hook queues therefore runs between layers.
+
+        Returns:
+            The greedy next token of each item, resolved when the last queued item runs.
+
+        Raises:
+            ValueError: The pool does not match :attr:`geometry` (now); bad items (when the
+                first queued item runs).
+        """
+        self._check_pool(pool)
+        return self._staged(
+            items, pool, enqueue, pre_layer, post_layer, lambda x: [int(r.argmax()) for r in x]
+        )
+
+    def _staged(
+        self,
+        items: Callable[[], Sequence[ForwardItem]],
+        pool: torch.Tensor,
+        enqueue: Callable[[Work], None],
+        pre_layer: LayerHook | None,
+        post_layer: LayerHook | None,
+        output: Callable[[torch.Tensor], T],
+    ) -> DeviceValue[T]:
+        kv = self._check_pool(pool)
+        result: DeviceValue[T] = DeviceValue()
+        state: dict[str, Any] = {}
+
+        @torch.no_grad()
+        def embed() -> None:
+            batch = list(items())
+            state["plans"] = plans = self._plan(batch, num_blocks=pool.shape[0])
+            ids = torch.tensor(
+                [t for item in batch for t in item.tokens[item.start : item.end]],
+                dtype=torch.long,
+                device=self.device,
+            )
+            if plans:
+                state["hidden"] = F.embedding(ids, self._w.embed)  # packed [sum(T), hidden]
+
+        def layer_work(index: int, layer: _LayerWeights) -> Work:
+            @torch.no_grad()
+            def run() -> None:
+                if state["plans"]:
+                    state["hidden"] = self._layer(index, layer, state["hidden"], state["plans"], kv)
+
+            return run
+
+        @torch.no_grad()
+        def sample() -> None:
+            plans: list[_ItemPlan] = state["plans"]
+            if not plans:
+                result.set(output(torch.empty(0, self.vocab_size, device=self.device)))
+                return
+            rows = torch.tensor([p.rows.stop - 1 for p in plans], device=self.device)
+            last = state["hidden"][rows]
+            result.set(output(F.linear(self._rms(last, self._w.final_norm), self._w.lm_head)))
+
+        enqueue(embed)
+        for index, layer in enumerate(self._w.layers):
+            if pre_layer is not None:
+                pre_layer(index)
+            enqueue(layer_work(index, layer))
+            if post_layer is not None:
+                post_layer(index)
+        enqueue(sample)
+        return result
 
     def _check_pool(self, pool: torch.Tensor) -> torch.Tensor:
         if pool.dtype != self._geometry.dtype or pool.device != self.device:
@@ -464,6 +538,10 @@ class PagedLlama:
             q.transpose(0, 1), keys, values, attn_mask=plan.mask, enable_gqa=True
         )
         return out.transpose(0, 1)
+
+
+def _run_now(work: Work) -> None:
+    work()
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -33,6 +33,18 @@ class LlmRequestState(enum.IntEnum):
     DISAGG_GENERATION_TRANS_IN_PROGRESS = 10
 
 
+class FinishReason(enum.Enum):
+    """Why a request finished (``tensorrt_llm.bindings.executor.FinishReason`` names).
+
+    ``ERROR`` is the emulator's own marker for a request failed by ``_handle_errors`` (upstream
+    answers those with an error response rather than a finish reason).
+    """
+
+    LENGTH = "length"
+    CANCELLED = "cancelled"
+    ERROR = "error"
+
+
 def cache_salt_id(salt: str) -> int:
     """The 64-bit id TensorRT-LLM derives from a cache salt string.
 
@@ -98,6 +110,7 @@ class LlmRequest:
         self.py_num_connector_matched_tokens = 0
         self.py_draft_tokens: list[int] = []
         self.py_decoding_iter = 0
+        self.finish_reason: FinishReason | None = None
 
     # --- tokens ---
 
@@ -206,6 +219,11 @@ class LlmRequest:
             LlmRequestState.DISAGG_CONTEXT_TRANS_IN_PROGRESS,
         )
 
+    def finish_by_reason(self, reason: FinishReason) -> None:
+        """``LlmRequest.finish_by_reason``: ``GENERATION_COMPLETE`` with ``reason``."""
+        self.state = LlmRequestState.GENERATION_COMPLETE
+        self.finish_reason = reason
+
     def will_complete_next_iteration(self) -> bool:
         """``LlmRequest::willCompleteNextIteration``: the token in flight is the last one."""
         return self.max_num_generated_tokens + 1 >= self.max_new_tokens
@@ -286,6 +304,7 @@ class BoundLlmRequest:
 __all__ = [
     "BOUND_ATTRIBUTES",
     "BoundLlmRequest",
+    "FinishReason",
     "LlmRequest",
     "LlmRequestState",
     "cache_salt_id",

@@ -1,0 +1,156 @@
+"""The s3kv connector across the runtime matrix {1.2, main} x {plain, overlap} x {V1, V2}.
+
+Every cell: instance A computes system prompts and saves them, instance B (fresh process
+state, a file:// bucket) warms from the bucket and claims. B's tokens must equal a run
+without the connector, B must claim the saved prefix, and nothing may stay pending. Chunked
+prefill (a 24-token budget with 8-token blocks) makes KVCacheManagerV2 allocate per chunk;
+a grow limit makes it honour fewer tokens than offered. Cancellation: requests TensorRT-LLM
+frees without ``request_finished`` leave no scheduler state and no pins behind.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from _emulator import one_torch_thread, prompt, tiny_model
+
+from s3kv.connector.scheduler import SchedulerCore
+from s3kv.connector.shared import process_state
+from s3kv.connector.trtllm import S3KVConnectorScheduler
+from s3kv.emulator.executor import PyExecutorEmulator
+from s3kv.emulator.instance import S3KV_CONNECTOR
+from s3kv.emulator.kv_cache_manager_v2 import KVCacheManagerV2
+from s3kv.emulator.llm_args import KvCacheConfig, TorchLlmArgs
+
+TPB = 8
+SYSTEMS = [prompt(6 * TPB, seed=71), prompt(4 * TPB, seed=72)]
+
+
+@pytest.fixture
+def bucket(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
+    root = tmp_path / "bucket"
+    root.mkdir()
+    for name, value in {
+        "TLLM_S3KV_ENDPOINT_URL": f"file://{root}", "TLLM_S3KV_BUCKET": "matrix",
+        "TLLM_S3KV_MODEL_REVISION": "tiny", "TLLM_S3KV_MANIFEST_FLUSH_INTERVAL": "0.05",
+    }.items():  # fmt: skip
+        monkeypatch.setenv(name, value)
+    with one_torch_thread():
+        yield root
+    process_state().close_all()
+
+
+def engine(
+    *, runtime: str, overlap: bool, v2: bool, connector: bool = True, chunked: bool = True
+) -> PyExecutorEmulator:
+    args = TorchLlmArgs(
+        kv_cache_config=KvCacheConfig(
+            tokens_per_block=TPB, enable_partial_reuse=False, use_kv_cache_manager_v2=v2
+        ),
+        kv_connector_config=S3KV_CONNECTOR if connector else None,
+        enable_chunked_prefill=chunked,
+        max_num_tokens=24 if chunked else 8192,
+        disable_overlap_scheduler=not overlap,
+    )
+    return PyExecutorEmulator(
+        args, tiny_model(TPB), num_blocks=96, runtime=runtime,  # type: ignore[arg-type]
+        stall_timeout_s=10,
+    )  # fmt: skip
+
+
+def serve(executor: PyExecutorEmulator, prompts: list[list[int]]) -> tuple[list[Any], list[int]]:
+    results = executor.generate(prompts, 4)
+    executor.drain()
+    return [r.output_tokens for r in results], [r.connector_tokens for r in results]
+
+
+CELLS = [
+    (runtime, overlap, v2)
+    for runtime in ("1.2", "main")
+    for overlap in (False, True)
+    for v2 in (False, True)
+    if not (runtime == "1.2" and v2)  # KVCacheManagerV2 exists on main only
+]
+
+
+@pytest.mark.parametrize(
+    ("runtime", "overlap", "v2"),
+    CELLS,
+    ids=[f"{r}-{'overlap' if o else 'plain'}-{'v2' if v else 'v1'}" for r, o, v in CELLS],
+)
+def test_redeploy_hits_with_identical_tokens(
+    bucket: Path, runtime: str, overlap: bool, v2: bool
+) -> None:
+    asks = [SYSTEMS[0] + prompt(5, seed=73), SYSTEMS[1] + prompt(7, seed=74)]
+    kw = {"runtime": runtime, "overlap": overlap, "v2": v2}
+    expected, _ = serve(engine(connector=False, **kw), asks)
+    serve(engine(**kw), [SYSTEMS[0] + prompt(3, seed=75), SYSTEMS[1] + prompt(3, seed=76)])
+    process_state().close_all()
+    reader = engine(**kw)
+    tokens, claimed = serve(reader, asks)
+    assert tokens == expected
+    assert claimed == [len(SYSTEMS[0]), len(SYSTEMS[1])]
+    manager = reader.connector_manager
+    assert manager is not None
+    assert not manager.has_pending_transfers()
+    scheduler = manager.scheduler
+    assert isinstance(scheduler, S3KVConnectorScheduler)
+    assert scheduler.core is not None
+    assert scheduler.core.manager == ("v2" if v2 else "v1")
+    assert scheduler.core.tracked_requests == 0
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["plain", "overlap"])
+def test_v2_honouring_less_than_offered_loads_exactly_the_honoured_blocks(
+    bucket: Path, monkeypatch: pytest.MonkeyPatch, overlap: bool
+) -> None:
+    ask = [SYSTEMS[0] + prompt(5, seed=77)]
+    kw = {"runtime": "main", "overlap": overlap, "v2": True}
+    expected, _ = serve(engine(connector=False, **kw), ask)
+    serve(engine(**kw), [SYSTEMS[0] + prompt(3, seed=78)])
+    process_state().close_all()
+    # The chunk's pages cannot grow: V2 honours only what fits in the pages it has.
+    real_init = KVCacheManagerV2.__init__
+
+    def limited(self: KVCacheManagerV2, *args: Any, **kwargs: Any) -> None:
+        real_init(self, *args, **{**kwargs, "grow_limit_blocks": 0})
+
+    monkeypatch.setattr(KVCacheManagerV2, "__init__", limited)
+    reader = engine(**kw)
+    tokens, claimed = serve(reader, ask)
+    assert tokens == expected
+    assert 0 < claimed[0] < len(SYSTEMS[0]), "honoured fewer tokens than offered"
+    store = next(iter(process_state().stores.values()))
+    assert store.metrics.value("connector_unhonoured_blocks") > 0
+    assert store.metrics.value("connector_loaded_blocks") == claimed[0] // TPB
+
+
+@pytest.mark.parametrize("runtime", ["1.2", "main"])
+def test_cancelled_requests_leave_no_state_or_pins(
+    bucket: Path, monkeypatch: pytest.MonkeyPatch, runtime: str
+) -> None:
+    kw = {"runtime": runtime, "overlap": True, "v2": False, "chunked": False}
+    serve(engine(**kw), [SYSTEMS[0] + prompt(3, seed=79)])
+    process_state().close_all()
+    monkeypatch.setattr(SchedulerCore, "STALE_STEPS", 8)
+    reader = engine(**kw)
+    manager = reader.connector_manager
+    assert manager is not None
+    scheduler = manager.scheduler
+    assert isinstance(scheduler, S3KVConnectorScheduler)
+    assert scheduler.core is not None
+    cancelled = reader.submit(SYSTEMS[0] + prompt(5, seed=80), 30)
+    reader.step()  # claimed, allocated, loading
+    reader.cancel(cancelled)  # freed by the executor without request_finished
+    long = reader.submit(prompt(9, seed=81), 20)
+    reader.run_until_complete([long])
+    reader.drain()
+    assert scheduler.core.tracked_requests == 0, "the cancelled request's state is gone"
+    assert scheduler.core.held_load_batches == 0
+    store = next(iter(process_state().stores.values()))
+    assert store.metrics.value("connector_forgotten_requests") == 1
+    key = scheduler.core.shards.stores[0].staging  # type: ignore[union-attr]
+    assert all(entry.pins == 0 for entry in key._entries.values()), "no pin leaked"
