@@ -415,3 +415,26 @@ def test_fp4_kv_quantization_is_refused_at_construction(
     scheduler = S3KVConnectorScheduler(args)
     assert scheduler.core is None
     assert any("FP4" in r.getMessage() for r in caplog.records)
+
+
+def test_nvfp4_shaped_pools_turn_the_connector_off(
+    bucket_env: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    # The emulator's NVFP4 shapes: an int8 pool of packed values (V1), and a V2 layout whose
+    # block scales sit in a second region.
+    from s3kv.emulator.layout import nvfp4_layout, nvfp4_pool
+
+    caplog.set_level(logging.ERROR)
+    args = llm_args()
+    scheduler = S3KVConnectorScheduler(args)
+    worker = S3KVConnectorWorker(args)
+    worker.register_kv_caches(nvfp4_pool(8, LAYERS, ELEMS))
+    assert worker.core is None
+    assert scheduler.core is None
+    process_state().close_all()
+    scheduler = S3KVConnectorScheduler(args)
+    worker = S3KVConnectorWorker(args)
+    worker.register_kv_cache_layout(nvfp4_layout(8, LAYERS, ELEMS, TPB))
+    assert worker.core is None
+    assert scheduler.core is None
+    assert any("NVFP4" in r.getMessage() for r in caplog.records)

@@ -43,7 +43,7 @@ from s3kv.emulator.layout import register_kv_cache_layout
 from s3kv.emulator.llm_args import CapacitySchedulerPolicy, TorchLlmArgs
 from s3kv.emulator.loop import ExecutorLoop, Tracked
 from s3kv.emulator.model import PagedLlama
-from s3kv.emulator.request import FinishReason, LlmRequest
+from s3kv.emulator.request import FinishReason, LlmRequest, MultimodalInput
 from s3kv.emulator.scheduler import RequestScheduler
 
 ModelSource = PagedLlama | Callable[[int, int], PagedLlama]
@@ -257,9 +257,19 @@ class PyExecutorEmulator:
         return self._loop.forward_passes
 
     def submit(
-        self, prompt: Sequence[int], max_new_tokens: int, *, cache_salt: str | None = None
+        self,
+        prompt: Sequence[int],
+        max_new_tokens: int,
+        *,
+        cache_salt: str | None = None,
+        lora_task_id: int | None = None,
+        multimodal: Sequence[MultimodalInput] = (),
+        prompt_table: Any = None,
     ) -> int:
         """Queue one request; returns its id. Nothing runs until the loop is driven.
+
+        ``lora_task_id``, ``multimodal`` and ``prompt_table`` are what the connector sees on
+        the request (see :class:`~s3kv.emulator.request.LlmRequest`); the model ignores them.
 
         Raises:
             ValueError: Empty prompt, a token outside the vocabulary, a prompt longer than
@@ -274,7 +284,10 @@ class PyExecutorEmulator:
             )
         if any(not 0 <= int(t) < self.model.vocab_size for t in prompt):
             raise ValueError(f"prompt: token ids must be in [0, {self.model.vocab_size})")
-        request = LlmRequest(self._next_id, prompt, max_new_tokens, cache_salt=cache_salt)
+        request = LlmRequest(
+            self._next_id, prompt, max_new_tokens, cache_salt=cache_salt,
+            lora_task_id=lora_task_id, multimodal=multimodal, prompt_table=prompt_table,
+        )  # fmt: skip
         needed = self.kv_cache_manager.blocks_to_completion(request)
         if needed > self.pool.shape[0]:
             raise ValueError(f"request: needs {needed} blocks, the pool has {self.pool.shape[0]}")
@@ -289,12 +302,14 @@ class PyExecutorEmulator:
         max_new_tokens: int,
         *,
         cache_salt: str | None = None,
+        **inputs: Any,
     ) -> list[GenerationResult]:
         """Submit ``prompts`` together and run until all of them have finished generating.
 
+        ``inputs`` (``lora_task_id``, ``multimodal``, ``prompt_table``) go to every request.
         Async saves may still hold blocks afterwards; :meth:`drain` waits for them.
         """
-        ids = [self.submit(p, max_new_tokens, cache_salt=cache_salt) for p in prompts]
+        ids = [self.submit(p, max_new_tokens, cache_salt=cache_salt, **inputs) for p in prompts]
         self.run_until_complete(ids)
         return [self.result(rid) for rid in ids]
 

@@ -16,6 +16,7 @@ TensorRT-LLM.
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import hashlib
 from collections.abc import Sequence
@@ -57,6 +58,21 @@ def cache_salt_id(salt: str) -> int:
     return int.from_bytes(digest[:8], "little")
 
 
+@dataclasses.dataclass(frozen=True)
+class MultimodalInput:
+    """One multimodal item of a prompt, as the binding reports it.
+
+    Attributes:
+        hash: The item's content hash as eight int32 words (``multimodal_hashes``).
+        position: Prompt offset of the item's first placeholder token.
+        length: Number of placeholder tokens.
+    """
+
+    hash: tuple[int, ...]
+    position: int
+    length: int
+
+
 class LlmRequest:
     """One request: prompt, generated tokens, context cursor and state (beam width 1).
 
@@ -75,8 +91,20 @@ class LlmRequest:
         *,
         cache_salt: str | None = None,
         is_generation_only: bool = False,
+        lora_task_id: int | None = None,
+        multimodal: Sequence[MultimodalInput] = (),
+        prompt_table: Any = None,
     ) -> None:
         """Create a request in ``CONTEXT_INIT``.
+
+        ``lora_task_id``, ``multimodal`` and ``prompt_table`` set what the binding exposes
+        as ``lora_task_id``, ``multimodal_hashes`` / ``_positions`` / ``_lengths`` and
+        ``prompt_embedding_table`` / ``prompt_vocab_size`` (``GenericLlmRequest`` in
+        ``cpp/tensorrt_llm/nanobind/batch_manager/bindings.cpp``, stored-file id 385050988).
+        The per-token extra ids of a prompt table are a constructor argument there but not a
+        bound property, so connectors cannot read them; this request does not carry them.
+        The emulated model ignores all three (no adapters, no embeddings): they only change
+        what a connector sees.
 
         Raises:
             ValueError: Empty prompt or ``max_new_tokens < 1``.
@@ -93,12 +121,19 @@ class LlmRequest:
         self.py_orig_prompt_len: Final = self.prompt_len
         self.max_new_tokens: Final = max_new_tokens
         self.py_max_new_tokens: Final = max_new_tokens
-        self.lora_task_id: int | None = None
+        self.lora_task_id: int | None = lora_task_id
         self.cache_salt: str | None = cache_salt
         self.cache_salt_id: int | None = None if cache_salt is None else cache_salt_id(cache_salt)
-        self.multimodal_hashes: list[list[int]] | None = None
-        self.multimodal_positions: list[int] | None = None
-        self.multimodal_lengths: list[int] | None = None
+        items = list(multimodal)
+        self.multimodal_hashes: list[list[int]] | None = (
+            [list(i.hash) for i in items] if items else None
+        )
+        self.multimodal_positions: list[int] | None = [i.position for i in items] if items else None
+        self.multimodal_lengths: list[int] | None = [i.length for i in items] if items else None
+        self.prompt_embedding_table: Any = prompt_table
+        self.prompt_vocab_size: int | None = (
+            None if prompt_table is None else int(getattr(prompt_table, "shape", (1,))[0])
+        )
         self.kv_cache_retention_config: Any = None
         self.is_dummy_request = False
         self.is_context_only_request = False
@@ -249,6 +284,8 @@ BOUND_ATTRIBUTES: Final = frozenset(
         "multimodal_hashes",
         "multimodal_positions",
         "multimodal_lengths",
+        "prompt_embedding_table",
+        "prompt_vocab_size",
         "context_current_position",
         "context_chunk_size",
         "context_remaining_length",
@@ -307,5 +344,6 @@ __all__ = [
     "FinishReason",
     "LlmRequest",
     "LlmRequestState",
+    "MultimodalInput",
     "cache_salt_id",
 ]
