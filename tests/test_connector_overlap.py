@@ -17,6 +17,7 @@ the slots would.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -124,3 +125,52 @@ def test_plain_loop_is_correct_too(bucket: Path) -> None:
         tokens, claimed = serve(engine(connector=True, overlap=False), SYSTEM + QUESTION)
     assert claimed == len(SYSTEM)
     assert tokens == expected
+
+
+def _tp_rank(rank: int, world: int, env: dict[str, str]) -> dict[str, Any]:
+    """One TP rank: reference, writer, then readers under both release policies."""
+    import os
+
+    os.environ.update(env)
+
+    def tp_engine(connector: bool) -> PyExecutorEmulator:
+        args = TorchLlmArgs(
+            tensor_parallel_size=world,
+            kv_cache_config=KvCacheConfig(tokens_per_block=TPB, enable_partial_reuse=False),
+        )
+        classes: dict[str, Any] = {}
+        if connector:
+            classes = {
+                "connector_scheduler_cls": RecyclingScheduler,
+                "connector_worker_cls": S3KVConnectorWorker,
+            }
+        model = tiny_model(TPB, tp_rank=rank, tp_size=world)
+        return PyExecutorEmulator(args, model, num_blocks=64, overlap=True, **classes)
+
+    report: dict[str, Any] = {"expected": serve(tp_engine(False), SYSTEM + QUESTION)[0]}
+    serve(tp_engine(True), SYSTEM + prompt(5, seed=43))
+    process_state().close_all()
+    for policy in ("completion", "next_step"):
+        real = CompletionBoard.completed
+        if policy == "next_step":
+            CompletionBoard.completed = lambda self: 1 << 62  # type: ignore[method-assign]
+        try:
+            report[policy] = serve(tp_engine(True), SYSTEM + QUESTION)
+        finally:
+            CompletionBoard.completed = real  # type: ignore[method-assign]
+            process_state().close_all()
+    return report
+
+
+def test_tensor_parallel_arena_slots_are_not_recycled_under_a_load(bucket: Path) -> None:
+    # The same race on the TP path: rank 0 stages every shard into shared arenas, each rank
+    # copies its own slot; a slot may be recycled only once *every* rank's copy completed.
+    from s3kv.emulator.parallel import run_tensor_parallel
+
+    env = {k: v for k, v in os.environ.items() if k.startswith("TLLM_S3KV_")}
+    per_rank = run_tensor_parallel(2, _tp_rank, env, timeout=240)
+    for report in per_rank:
+        tokens, claimed = report["completion"]
+        assert claimed == len(SYSTEM)
+        assert tokens == report["expected"], "a claimed block received a recycled slot"
+    assert any(r["next_step"][0] != r["expected"] for r in per_rank), "the old rule loses"
