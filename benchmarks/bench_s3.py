@@ -34,11 +34,11 @@ from typing import Any
 
 import numpy as np
 
-from s3kv.backend_s3 import S3Backend
 from s3kv.config import S3KVConfig
 from s3kv.keys import ROOT_HASH, BlockHash, ModelIdentity, hash_block
 from s3kv.local_s3 import LocalS3
 from s3kv.staging import NumpyAllocator
+from s3kv.storage import Backend, open_backend
 from s3kv.store import KVStore
 from s3kv.testing.smollm2 import kv_blocks
 
@@ -90,7 +90,7 @@ def main() -> None:
         try:
             os.environ.update(server.env())
             cfg = S3KVConfig.load(io_threads=threads, staging_bytes=4 * raw_bytes)
-            backend = S3Backend.from_config(cfg)
+            backend = open_backend(cfg)
             results: dict[str, list[float]] = {}
 
             def record(name: str, seconds: float) -> None:
@@ -185,15 +185,15 @@ def main() -> None:
             server.stop(grace=2.0)
 
 
-def put_raw(backend: S3Backend, keys: list[str], blocks: list[np.ndarray], i: int) -> None:  # type: ignore[type-arg]
+def put_raw(backend: Backend, keys: list[str], blocks: list[np.ndarray], i: int) -> None:  # type: ignore[type-arg]
     backend.put(keys[i], blocks[i].tobytes())
 
 
-def get_raw(backend: S3Backend, keys: list[str], i: int) -> None:
+def get_raw(backend: Backend, keys: list[str], i: int) -> None:
     backend.get(keys[i])
 
 
-def seed_save(backend: S3Backend, keys: list[str], blocks: list[np.ndarray]) -> None:  # type: ignore[type-arg]
+def seed_save(backend: Backend, keys: list[str], blocks: list[np.ndarray]) -> None:  # type: ignore[type-arg]
     import torch
 
     for key, block in zip(keys, blocks, strict=True):
@@ -202,7 +202,7 @@ def seed_save(backend: S3Backend, keys: list[str], blocks: list[np.ndarray]) -> 
         backend.put(key, buffer.getvalue())
 
 
-def seed_load(backend: S3Backend, keys: list[str]) -> None:
+def seed_load(backend: Backend, keys: list[str]) -> None:
     import torch
 
     for key in keys:
@@ -211,7 +211,7 @@ def seed_load(backend: S3Backend, keys: list[str]) -> None:
         torch.load(io.BytesIO(data))
 
 
-def head_per_block(backend: S3Backend) -> None:
+def head_per_block(backend: Backend) -> None:
     """1000 blocks (32K tokens / 32 per block): one HEAD each, as peers' lookups do."""
     keys = [f"head/{i:04d}" for i in range(1000)]
     parallel(8, lambda i: backend.put(keys[i], b"x"), len(keys))

@@ -40,16 +40,18 @@ from typing import Any
 import numpy as np
 import torch
 
-from s3kv.backend import MemoryBackend
 from s3kv.config import S3KVConfig
 from s3kv.connector.api import RequestData
 from s3kv.connector.arena import SlabArena
+from s3kv.connector.completion import CompletionBoard
+from s3kv.connector.requests import request_view
 from s3kv.connector.scheduler import SchedulerCore
 from s3kv.connector.shared import ShardStores
 from s3kv.connector.worker import WorkerCore
 from s3kv.keys import ModelIdentity, chain_hashes
 from s3kv.pool import IOPool
 from s3kv.staging import TorchPinnedAllocator
+from s3kv.storage import MemoryBackend
 from s3kv.store import KVStore
 
 TPB = 32
@@ -107,14 +109,15 @@ def race(blocks: int, policy: str, seed: int) -> dict[str, Any]:
         store.staging.insert(key, buffer)
 
     core = SchedulerCore(config, TPB)
-    core.shards = ShardStores([store])
+    board = CompletionBoard.private()
+    core.attach(ShardStores([store]), board=board, manager="v1")
     pool = torch.zeros((blocks + 1, LAYERS, 2, BLOCK_ELEMS), dtype=torch.bfloat16, device="cuda")
-    worker = WorkerCore(0, store, pool, 64 * 1024**2, board=core.board)
+    worker = WorkerCore(0, store, pool, 64 * 1024**2, board=board)
     stream = torch.cuda.Stream()
     request = Request(1, tokens)
-    claimed = core.get_num_new_matched_tokens(request, 0)
+    claimed = core.get_num_new_matched_tokens(request_view(request), 0)
     block_ids = list(range(1, blocks + 1))  # block 0 never written: it guards the indexing
-    core.update_state_after_alloc(request, [*block_ids, 0])
+    core.update_state_after_alloc(request.request_id, [*block_ids, 0])
     meta = core.build_connector_meta([RequestData(1, tokens, [*block_ids, 0], 0, 1)], [])
 
     # Keep the stream busy so the copies queue behind real work, as behind a forward pass.
@@ -128,7 +131,7 @@ def race(blocks: int, policy: str, seed: int) -> dict[str, Any]:
 
     # The next iteration on the host, before the device has caught up.
     if policy == "next_step":
-        core.shards.unpin(keys)  # the old rule: release at the next step
+        ShardStores([store]).unpin(keys)  # the old rule: release at the next step
         core._held.clear()
     core.build_connector_meta([], [])
     pending_after_step = worker.loads_in_flight

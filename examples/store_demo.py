@@ -31,9 +31,9 @@ from typing import Any
 import numpy as np
 
 from s3kv import KVStore, ModelIdentity, S3KVConfig, chain_hashes
-from s3kv.backend import Backend, DelegatingBackend, ObjectInfo
 from s3kv.keys import ROOT_HASH
 from s3kv.staging import NumpyAllocator
+from s3kv.storage import Backend, DelegatingBackend, ObjectInfo
 from s3kv.testing import smollm2
 
 TOKENS_PER_BLOCK = 32
@@ -121,10 +121,10 @@ def role_save() -> dict[str, Any]:
 
 
 def role_load() -> dict[str, Any]:
-    from s3kv.backend_s3 import S3Backend
+    from s3kv.storage import open_backend
 
     config = S3KVConfig.load()
-    recorder = ListRecorder(S3Backend.from_config(config))
+    recorder = ListRecorder(open_backend(config))
     started = time.perf_counter()
     store = KVStore.open(config, identity(), backend=recorder, allocator=NumpyAllocator())
     open_ms = (time.perf_counter() - started) * 1e3

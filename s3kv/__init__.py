@@ -6,7 +6,6 @@ by the module that needs it, when it is used.
 
 from typing import TYPE_CHECKING
 
-from s3kv.backend import Backend, Capabilities, DeleteResult, MemoryBackend, ObjectInfo
 from s3kv.config import S3KVConfig
 from s3kv.errors import (
     AccessDeniedError,
@@ -27,6 +26,7 @@ from s3kv.keys import (
     chain_hashes,
     hash_block,
 )
+from s3kv.storage import Backend, Capabilities, DeleteResult, MemoryBackend, ObjectInfo
 
 __version__ = "0.1.0"
 

@@ -20,7 +20,7 @@ Every error s3kv raises on purpose is an :class:`S3KVError`::
         └── PreconditionFailedError  a conditional write found the key already present
 
 Foreign exceptions (botocore, urllib3, OS errors) are translated into this tree in exactly
-one place, :func:`s3kv.backend_s3.translate_error`; nothing else catches them.
+one place, :func:`s3kv.storage.translate_error`; nothing else catches them.
 """
 
 from __future__ import annotations

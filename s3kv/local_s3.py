@@ -300,7 +300,7 @@ class LocalS3:
 
     def _wait_ready(self, timeout: float) -> None:
         """Poll (bounded) until the port accepts, the bucket exists and a PUT works."""
-        from s3kv.backend_s3 import FOREIGN_ERRORS, ensure_bucket
+        from s3kv.storage import FOREIGN_ERRORS, ensure_bucket
 
         retryable: tuple[type[BaseException], ...] = (StorageError, *FOREIGN_ERRORS)
         deadline = time.monotonic() + timeout
@@ -388,8 +388,8 @@ class LocalS3:
 
     def client(self, *, connect_timeout: float = 5.0, read_timeout: float = 30.0) -> S3Client:
         """A boto3 S3 client for this server with its credentials (imports boto3)."""
-        from s3kv.backend_s3 import make_client
         from s3kv.config import S3KVConfig
+        from s3kv.storage import make_client
 
         cfg = S3KVConfig(bucket=self.bucket, endpoint_url=self.endpoint, region="us-east-1",
                          addressing_style="path", connect_timeout=connect_timeout,

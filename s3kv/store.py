@@ -33,36 +33,26 @@ from dataclasses import dataclass
 import numpy as np
 
 from s3kv import codec
-from s3kv.backend import Backend
-from s3kv.breaker import BreakerState, CircuitBreaker
+from s3kv._logonce import LogOnce
 from s3kv.config import S3KVConfig
 from s3kv.errors import CodecError, SizeMismatchError, StorageError
-from s3kv.instrumented import InstrumentedBackend
 from s3kv.keys import BlockHash, ModelIdentity, block_object_key, identity_object_key
 from s3kv.manifest import Manifest
 from s3kv.metrics import Metrics, serve_prometheus
 from s3kv.pool import IOPool, Priority
 from s3kv.staging import HostAllocator, HostBuffer, StagingCache
+from s3kv.storage import (
+    Backend,
+    BreakerState,
+    CircuitBreaker,
+    InstrumentedBackend,
+    open_backend,
+)
 
 logger = logging.getLogger(__name__)
 
 _CODECS = {"raw": codec.CodecId.RAW, "zstd": codec.CodecId.ZSTD,
            "planes-zstd": codec.CodecId.PLANES_ZSTD}  # fmt: skip
-
-
-def backend_from_config(config: S3KVConfig) -> Backend:
-    """The backend ``config`` names: a directory for ``file://`` endpoints, else S3.
-
-    Raises:
-        ConfigError, BucketNotFoundError, AccessDeniedError, EndpointError: at open.
-    """
-    if (config.endpoint_url or "").startswith("file://"):
-        from s3kv.backend_file import FileBackend
-
-        return FileBackend.from_url(config.endpoint_url or "")
-    from s3kv.backend_s3 import S3Backend
-
-    return S3Backend.from_config(config)
 
 
 @dataclass(frozen=True)
@@ -85,21 +75,6 @@ class SaveStatus(enum.Enum):
     QUEUED = "queued"
     SKIPPED = "skipped"  # already written (per manifest) or already being written
     DROPPED = "dropped"  # back-pressure, or the store is closed
-
-
-class _OncePerKind:
-    """Logs the first failure of each kind at WARNING, the rest at DEBUG."""
-
-    def __init__(self) -> None:
-        self._seen: set[str] = set()
-        self._lock = threading.Lock()
-
-    def __call__(self, what: str, kind: str, exc: BaseException) -> None:
-        with self._lock:
-            first = kind not in self._seen
-            self._seen.add(kind)
-        level = logging.WARNING if first else logging.DEBUG
-        logger.log(level, "s3kv: %s failed (%s): %s", what, kind, exc)
 
 
 class KVStore:
@@ -150,7 +125,7 @@ class KVStore:
         self._inflight_save_bytes = 0
         self._closed = False
         self._probing = False
-        self._log_failure = _OncePerKind()
+        self._log_once = LogOnce(logger)
 
     # --- construction ---
 
@@ -174,7 +149,7 @@ class KVStore:
         metrics = Metrics()
         breaker = CircuitBreaker(config.breaker_failures, config.breaker_cooldown)
         if backend is None:
-            backend = backend_from_config(config)
+            backend = open_backend(config)
         instrumented = InstrumentedBackend(backend, metrics, breaker=breaker)
         instrumented.check()
         fingerprint = identity.fingerprint()
@@ -248,7 +223,7 @@ class KVStore:
             try:
                 self.backend.check()
             except StorageError as exc:
-                self._log_failure("health probe", exc.kind, exc)
+                self._log_failure("health probe", exc)
             finally:
                 with self._lock:
                     self._probing = False
@@ -274,6 +249,40 @@ class KVStore:
         self.metrics.inc("lookup_blocks_staged", staged)
         self.metrics.inc("lookup_blocks_maybe", maybe)
         return LookupResult(staged=staged, maybe=maybe)
+
+    def claim(self, keys: Sequence[BlockHash]) -> int:
+        """The scheduler's claim: pin the leading staged run of ``keys``; no network.
+
+        The pinned blocks are never evicted until :meth:`unpin`. Blocks behind them that the
+        manifest may hold are prefetched in the background, so a later request hits; the
+        pinned ones are recorded as hits (usage for prune and warm start).
+
+        Returns:
+            How many leading blocks were pinned.
+        """
+        pinned = self.pin_leading(keys)
+        self.prefetch_maybe(keys[pinned:])
+        self.record_hits(keys[:pinned])
+        return pinned
+
+    def prefetch_maybe(self, keys: Sequence[BlockHash]) -> int:
+        """Prefetch the leading run of ``keys`` the manifest may hold; returns its length."""
+        maybe = self.count_maybe(keys) if keys else 0
+        if maybe:
+            self.prefetch(keys[:maybe])
+        return maybe
+
+    def count_maybe(self, keys: Sequence[BlockHash]) -> int:
+        """Leading blocks of ``keys`` the manifest may hold (its Bloom filter; no network)."""
+        return self.manifest.count_leading(keys)
+
+    def may_contain(self, key: BlockHash) -> bool:
+        """Whether the bucket may hold ``key`` (false positives possible; no network)."""
+        return self.manifest.may_contain(key)
+
+    def is_staged(self, key: BlockHash) -> bool:
+        """Whether ``key``'s verified bytes are in host staging."""
+        return key in self.staging
 
     def pin_leading(self, keys: Sequence[BlockHash]) -> int:
         """Pin the leading staged run of ``keys`` (never evicted until :meth:`unpin`)."""
@@ -360,10 +369,10 @@ class KVStore:
         except CodecError as exc:
             self.metrics.inc("corrupt_objects", kind=exc.kind)
             self.metrics.inc("prefetch_failed")
-            self._log_failure(f"verifying {object_key}", exc.kind, exc)
+            self._log_failure(f"verifying {object_key}", exc)
         except StorageError as exc:
             self.metrics.inc("prefetch_failed")
-            self._log_failure("prefetch", exc.kind, exc)
+            self._log_failure("prefetch", exc)
         finally:
             with self._lock:
                 event = self._fetching.pop(key, None)
@@ -475,7 +484,7 @@ class KVStore:
                 self.metrics.inc("save_skipped_existing")
         except (StorageError, CodecError) as exc:
             self.metrics.inc("save_failed")
-            self._log_failure("save", exc.kind, exc)
+            self._log_failure("save", exc)
         finally:
             self._finish_save(key, nbytes)
 
@@ -485,6 +494,10 @@ class KVStore:
             self._inflight_save_bytes -= nbytes
             self.metrics.set("inflight_save_bytes", self._inflight_save_bytes)
             self._save_space.notify_all()
+
+    def _log_failure(self, what: str, exc: StorageError | CodecError) -> None:
+        """Log a background failure: WARNING the first time of each kind, then DEBUG."""
+        self._log_once(exc.kind, "s3kv: %s failed (%s): %s", what, exc.kind, exc)
 
     # --- lifecycle ---
 

@@ -16,7 +16,6 @@ import numpy as np
 from typer.testing import CliRunner, Result
 
 from s3kv import codec
-from s3kv.backend import Backend
 from s3kv.cli.app import app
 from s3kv.cli.context import Runtime
 from s3kv.keys import (
@@ -28,6 +27,7 @@ from s3kv.keys import (
     identity_object_key,
 )
 from s3kv.manifest import Manifest
+from s3kv.storage import Backend
 
 DAY = 86400.0
 PREFIX = "kv"

@@ -23,12 +23,12 @@ from typing import TYPE_CHECKING, Any
 
 import pytest
 
-from s3kv.backend import Backend, MemoryBackend
 from s3kv.config import S3KVConfig
+from s3kv.storage import Backend, MemoryBackend
 
 if TYPE_CHECKING:
-    from s3kv.backend_s3 import S3Backend
     from s3kv.local_s3 import LocalS3
+    from s3kv.storage import S3Backend
 
 # ----------------------------------------------------------------------------------------
 # S3 servers
@@ -134,7 +134,7 @@ def memory_backend() -> MemoryBackend:
 @pytest.fixture
 def moto_backend(moto_server: str, aws_env: None) -> Iterator[S3Backend]:
     """An S3Backend on a fresh moto bucket (credentials from the environment)."""
-    from s3kv.backend_s3 import S3Backend, ensure_bucket, make_client
+    from s3kv.storage import S3Backend, ensure_bucket, make_client
 
     cfg = s3_config(moto_server, unique_bucket())
     client = make_client(cfg)
@@ -152,7 +152,7 @@ def moto_backend(moto_server: str, aws_env: None) -> Iterator[S3Backend]:
 @pytest.fixture
 def seaweed_backend(seaweedfs: LocalS3, aws_env: None) -> Iterator[S3Backend]:
     """An S3Backend on a fresh SeaweedFS bucket (the server's identity)."""
-    from s3kv.backend_s3 import S3Backend, ensure_bucket, make_client
+    from s3kv.storage import S3Backend, ensure_bucket, make_client
 
     cfg = s3_config(seaweedfs.endpoint, unique_bucket())
     client = make_client(cfg, access_key=seaweedfs.access_key, secret_key=seaweedfs.secret_key)
@@ -173,7 +173,7 @@ BACKEND_KINDS = ["memory", "file", "moto", "seaweedfs"]
 @pytest.fixture
 def file_backend(tmp_path: Path) -> Backend:
     """A directory as the bucket (``endpoint_url = file://...``)."""
-    from s3kv.backend_file import FileBackend
+    from s3kv.storage import FileBackend
 
     root = tmp_path / "bucket"
     root.mkdir()

@@ -11,7 +11,6 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from s3kv.bloom import BLOOM_MAGIC, BloomFilter
 from s3kv.errors import (
     BadMagicError,
     ChecksumError,
@@ -20,6 +19,7 @@ from s3kv.errors import (
     TruncatedError,
     UnsupportedVersionError,
 )
+from s3kv.manifest.bloom import BLOOM_MAGIC, BloomFilter
 
 key_lists = st.lists(st.binary(min_size=16, max_size=16), min_size=0, max_size=300)
 

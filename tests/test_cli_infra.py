@@ -20,10 +20,10 @@ import pytest
 import yaml
 from cli_support import DAY, Bucket, Clock, invoke, parse_json
 
-from s3kv.backend_s3 import S3Backend
 from s3kv.cli.context import Runtime
 from s3kv.config import S3KVConfig
 from s3kv.keys import block_object_key, identity_object_key, manifest_prefix
+from s3kv.storage import S3Backend
 
 if sys.version_info >= (3, 11):
     import tomllib

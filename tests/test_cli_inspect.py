@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 from cli_support import DAY, Bucket, Clock, assert_one_error_line, identity, invoke, parse_json
 
-from s3kv.backend_s3 import S3Backend
 from s3kv.cli.context import Runtime
-from s3kv.manifest_compact import load_usage
+from s3kv.manifest import load_usage
+from s3kv.storage import S3Backend
 
 RAW_BLOCK = 2 * 2 * 32 * 2  # layers * kv_factor * block_elems * bf16 bytes
 

@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 from cli_support import Bucket, Clock, assert_one_error_line, invoke, parse_json
 
-from s3kv.backend_s3 import S3Backend
 from s3kv.keys import chain_hashes
-from s3kv.manifest_compact import load_usage
+from s3kv.manifest import load_usage
+from s3kv.storage import S3Backend
 
 WORDS = "the quick brown fox jumps over a lazy dog and runs away again".split()  # noqa: SIM905
 

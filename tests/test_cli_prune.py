@@ -13,11 +13,10 @@ from collections.abc import Iterable
 import pytest
 from cli_support import DAY, Bucket, Clock, assert_one_error_line, invoke, parse_json
 
-from s3kv.backend import Backend, DelegatingBackend, DeleteResult
-from s3kv.backend_s3 import S3Backend
 from s3kv.cli.context import Runtime
 from s3kv.errors import EndpointError
-from s3kv.manifest_compact import load_usage
+from s3kv.manifest import load_usage
+from s3kv.storage import Backend, DelegatingBackend, DeleteResult, S3Backend
 
 
 @pytest.fixture(params=["moto", pytest.param("seaweedfs", marks=pytest.mark.seaweedfs)])

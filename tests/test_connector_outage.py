@@ -14,12 +14,12 @@ from pathlib import Path
 import pytest
 from _emulator import one_torch_thread, prompt, tiny_model
 
-from s3kv.breaker import BreakerState
 from s3kv.connector.shared import process_state
 from s3kv.emulator.executor import PyExecutorEmulator
 from s3kv.emulator.instance import S3KV_CONNECTOR
 from s3kv.emulator.llm_args import KvCacheConfig, TorchLlmArgs
 from s3kv.local_s3 import LocalS3
+from s3kv.storage import BreakerState
 
 pytestmark = pytest.mark.seaweedfs
 

@@ -8,16 +8,18 @@ from dataclasses import dataclass, field
 import numpy as np
 import pytest
 
-from s3kv.backend import MemoryBackend
 from s3kv.config import S3KVConfig
 from s3kv.connector.api import RequestData
 from s3kv.connector.completion import CompletionBoard
 from s3kv.connector.metadata import ConnectorMetadata
+from s3kv.connector.requests import honoured_tokens
+from s3kv.connector.requests import request_view as view
 from s3kv.connector.scheduler import SchedulerCore
 from s3kv.connector.shared import ShardStores
 from s3kv.keys import ROOT_HASH, ModelIdentity, chain_hashes
 from s3kv.pool import IOPool
 from s3kv.staging import NumpyAllocator
+from s3kv.storage import MemoryBackend
 from s3kv.store import KVStore
 
 TPB = 4
@@ -74,7 +76,7 @@ def put_blocks(store: KVStore, tokens: list[int], n: int) -> None:
 def core_for(*stores: KVStore, **cfg: object) -> SchedulerCore:
     config = S3KVConfig.load(environ={}, bucket="b", **cfg)
     core = SchedulerCore(config, TPB)
-    core.shards = ShardStores(list(stores))
+    core.attach(ShardStores(list(stores)), board=CompletionBoard.private(), manager="v1")
     return core
 
 
@@ -91,7 +93,7 @@ def staged_core(n_blocks: int = 4, **cfg: object) -> tuple[SchedulerCore, KVStor
 
 def test_claims_staged_whole_blocks() -> None:
     core, store = staged_core()
-    assert core.get_num_new_matched_tokens(FakeRequest(1, PROMPT), 0) == 16
+    assert core.get_num_new_matched_tokens(view(FakeRequest(1, PROMPT)), 0) == 16
     # Claimed blocks are pinned: eviction cannot take them before the load.
     assert store.staging.pin_leading(chain_hashes(PROMPT, TPB)) == 4
 
@@ -99,17 +101,17 @@ def test_claims_staged_whole_blocks() -> None:
 def test_never_claims_the_whole_prompt() -> None:
     core, _ = staged_core()
     # 16 tokens = exactly 4 blocks: at most 15 may be claimed, so only 3 whole blocks.
-    assert core.get_num_new_matched_tokens(FakeRequest(1, PROMPT[:16]), 0) == 12
+    assert core.get_num_new_matched_tokens(view(FakeRequest(1, PROMPT[:16])), 0) == 12
 
 
 def test_device_match_inside_a_block_claims_nothing() -> None:
     core, _ = staged_core()
-    assert core.get_num_new_matched_tokens(FakeRequest(1, PROMPT), 2) == 0
+    assert core.get_num_new_matched_tokens(view(FakeRequest(1, PROMPT)), 2) == 0
 
 
 def test_claim_starts_after_the_device_match() -> None:
     core, _ = staged_core()
-    assert core.get_num_new_matched_tokens(FakeRequest(1, PROMPT), 8) == 8
+    assert core.get_num_new_matched_tokens(view(FakeRequest(1, PROMPT)), 8) == 8
 
 
 def test_bloom_positive_tail_is_prefetched_not_claimed() -> None:
@@ -118,16 +120,16 @@ def test_bloom_positive_tail_is_prefetched_not_claimed() -> None:
     reader = make_store(backend)
     core = core_for(reader)
     requests_before = reader.backend.requests()
-    assert core.get_num_new_matched_tokens(FakeRequest(1, PROMPT), 0) == 0
+    assert core.get_num_new_matched_tokens(view(FakeRequest(1, PROMPT)), 0) == 0
     # The claim made no request itself; the prefetch it started (inline pool here) did.
     assert reader.metrics.value("prefetch_scheduled") == 4
     assert reader.backend.requests() > requests_before
-    assert core.get_num_new_matched_tokens(FakeRequest(2, PROMPT), 0) == 16
+    assert core.get_num_new_matched_tokens(view(FakeRequest(2, PROMPT)), 0) == 16
 
 
 def test_salted_request_does_not_match() -> None:
     core, _ = staged_core()
-    assert core.get_num_new_matched_tokens(FakeRequest(1, PROMPT, cache_salt_id=7), 0) == 0
+    assert core.get_num_new_matched_tokens(view(FakeRequest(1, PROMPT, cache_salt_id=7)), 0) == 0
 
 
 def test_tensor_parallel_claim_needs_every_shard() -> None:
@@ -139,7 +141,7 @@ def test_tensor_parallel_claim_needs_every_shard() -> None:
     shard0.prefetch(keys)
     shard1.prefetch(keys)
     core = core_for(shard0, shard1)
-    assert core.get_num_new_matched_tokens(FakeRequest(1, PROMPT), 0) == 8
+    assert core.get_num_new_matched_tokens(view(FakeRequest(1, PROMPT)), 0) == 8
     # Rank 0's extra staged blocks were not left pinned by the failed part of the claim.
     assert shard0.staging.pin_leading(keys) == 4
     shard0.unpin(keys)
@@ -152,7 +154,7 @@ def test_unhealthy_store_claims_nothing() -> None:
     assert store.backend.breaker is not None
     for _ in range(store.config.breaker_failures):
         store.backend.breaker.record_failure()
-    assert core.get_num_new_matched_tokens(FakeRequest(1, PROMPT), 0) == 0
+    assert core.get_num_new_matched_tokens(view(FakeRequest(1, PROMPT)), 0) == 0
 
 
 def first_report(rid: int, tokens: list[int], blocks: list[int], computed: int, scheduled: int):  # type: ignore[no-untyped-def]
@@ -166,8 +168,8 @@ def cached_report(rid: int, computed: int) -> RequestData:
 def test_metadata_loads_claims_and_saves_the_rest() -> None:
     core, _ = staged_core(n_blocks=2)
     request = FakeRequest(1, PROMPT)
-    assert core.get_num_new_matched_tokens(request, 0) == 8
-    core.update_state_after_alloc(request, [10, 11, 12, 13, 14])
+    assert core.get_num_new_matched_tokens(view(request), 0) == 8
+    core.update_state_after_alloc(request.request_id, [10, 11, 12, 13, 14])
     meta = core.build_connector_meta([first_report(1, PROMPT, [10, 11, 12, 13, 14], 0, 9)], [])
     assert isinstance(meta, ConnectorMetadata)
     assert [op.block_id for op in meta.loads] == [10, 11]
@@ -176,15 +178,15 @@ def test_metadata_loads_claims_and_saves_the_rest() -> None:
     keys = chain_hashes(PROMPT, TPB)
     assert meta.saves[0].parent == keys[1]
     assert len(pickle.dumps(meta)) < 1024
-    assert core.request_finished(request) is True
+    assert core.request_finished(request.request_id) is True
 
 
 def test_chunked_prefill_saves_each_block_once_full() -> None:
     backend = MemoryBackend()
     core = core_for(make_store(backend))
     request = FakeRequest(1, PROMPT)
-    assert core.get_num_new_matched_tokens(request, 0) == 0
-    core.update_state_after_alloc(request, [0, 1, 2, 3, 4])
+    assert core.get_num_new_matched_tokens(view(request), 0) == 0
+    core.update_state_after_alloc(request.request_id, [0, 1, 2, 3, 4])
     first = core.build_connector_meta([first_report(1, PROMPT, [0, 1, 2, 3, 4], 0, 6)], [])
     assert [op.block_id for op in first.saves] == [0]
     second = core.build_connector_meta([], [RequestData(1, [], [], 6, 6)])
@@ -200,8 +202,8 @@ def test_decode_blocks_saved_when_configured() -> None:
     backend = MemoryBackend()
     core = core_for(make_store(backend), save_decode_blocks=True)
     request = FakeRequest(1, PROMPT)
-    core.get_num_new_matched_tokens(request, 0)
-    core.update_state_after_alloc(request, [0, 1, 2, 3, 4])
+    core.get_num_new_matched_tokens(view(request), 0)
+    core.update_state_after_alloc(request.request_id, [0, 1, 2, 3, 4])
     core.build_connector_meta([first_report(1, PROMPT, [0, 1, 2, 3, 4], 0, 17)], [])
     decode = core.build_connector_meta([], [RequestData(1, [7, 8, 9], [], 19, 1)])
     assert [op.block_id for op in decode.saves] == [4]
@@ -213,11 +215,11 @@ def test_blocks_already_in_the_bucket_are_not_saved_again() -> None:
     core, _ = staged_core(n_blocks=4)
     request = FakeRequest(1, PROMPT)
     # The device matched everything locally: the connector claims nothing...
-    assert core.get_num_new_matched_tokens(request, 16) == 0
-    core.update_state_after_alloc(request, [0, 1, 2, 3, 4])
+    assert core.get_num_new_matched_tokens(view(request), 16) == 0
+    core.update_state_after_alloc(request.request_id, [0, 1, 2, 3, 4])
     meta = core.build_connector_meta([first_report(1, PROMPT, [0, 1, 2, 3, 4], 16, 1)], [])
     assert meta.saves == (), "...and does not copy out blocks the manifest already has"
-    assert core.request_finished(request) is False
+    assert core.request_finished(request.request_id) is False
 
 
 def test_pins_are_held_until_every_rank_reports_the_copies_completed() -> None:
@@ -226,8 +228,8 @@ def test_pins_are_held_until_every_rank_reports_the_copies_completed() -> None:
     core, store = staged_core(n_blocks=4)
     keys = chain_hashes(PROMPT, TPB)
     request = FakeRequest(1, PROMPT)
-    core.get_num_new_matched_tokens(request, 0)
-    core.update_state_after_alloc(request, [0, 1, 2, 3, 4])
+    core.get_num_new_matched_tokens(view(request), 0)
+    core.update_state_after_alloc(request.request_id, [0, 1, 2, 3, 4])
     meta = core.build_connector_meta([first_report(1, PROMPT, [0, 1, 2, 3, 4], 0, 1)], [])
     assert meta.load_seq == 1
     assert not store.staging.remove(keys[0]), "pinned during the iteration that loads it"
@@ -242,11 +244,12 @@ def test_pins_are_held_until_every_rank_reports_the_copies_completed() -> None:
 
 def test_tensor_parallel_pins_wait_for_the_slowest_rank() -> None:
     core, store = staged_core(n_blocks=4)
-    core.board = CompletionBoard.private(world_size=2)
+    assert core.shards is not None
+    core.attach(core.shards, board=CompletionBoard.private(world_size=2), manager="v1")
     keys = chain_hashes(PROMPT, TPB)
     request = FakeRequest(1, PROMPT)
-    core.get_num_new_matched_tokens(request, 0)
-    core.update_state_after_alloc(request, [0, 1, 2, 3, 4])
+    core.get_num_new_matched_tokens(view(request), 0)
+    core.update_state_after_alloc(request.request_id, [0, 1, 2, 3, 4])
     meta = core.build_connector_meta([first_report(1, PROMPT, [0, 1, 2, 3, 4], 0, 1)], [])
     core.board.publish(0, meta.load_seq)
     core.build_connector_meta([], [])
@@ -261,8 +264,8 @@ def test_a_failed_save_plan_keeps_the_claimed_loads(monkeypatch: pytest.MonkeyPa
     # a failure while planning saves must never cost a load.
     core, _ = staged_core(n_blocks=4)
     request = FakeRequest(1, PROMPT)
-    assert core.get_num_new_matched_tokens(request, 0) == 16
-    core.update_state_after_alloc(request, [0, 1, 2, 3, 4])
+    assert core.get_num_new_matched_tokens(view(request), 0) == 16
+    core.update_state_after_alloc(request.request_id, [0, 1, 2, 3, 4])
 
     def broken(*args: object, **kwargs: object) -> list[object]:
         raise RuntimeError("injected")
@@ -276,8 +279,8 @@ def test_take_metadata_hands_out_loads_planned_before_a_failure() -> None:
     # The adapter's fallback when build_connector_meta raises outright.
     core, _ = staged_core(n_blocks=4)
     request = FakeRequest(1, PROMPT)
-    core.get_num_new_matched_tokens(request, 0)
-    core.update_state_after_alloc(request, [7, 8, 9, 10, 11])
+    core.get_num_new_matched_tokens(view(request), 0)
+    core.update_state_after_alloc(request.request_id, [7, 8, 9, 10, 11])
     meta = core.take_metadata()
     assert [op.block_id for op in meta.loads] == [7, 8, 9, 10]
     assert core.take_metadata().loads == (), "each load is handed out once"
@@ -286,7 +289,7 @@ def test_take_metadata_hands_out_loads_planned_before_a_failure() -> None:
 def test_loads_are_planned_from_the_first_report_when_alloc_state_was_lost() -> None:
     core, _ = staged_core(n_blocks=4)
     request = FakeRequest(1, PROMPT)
-    core.get_num_new_matched_tokens(request, 0)  # update_state_after_alloc never arrived
+    core.get_num_new_matched_tokens(view(request), 0)  # update_state_after_alloc never arrived
     meta = core.build_connector_meta([first_report(1, PROMPT, [5, 6, 7, 8, 9], 0, 1)], [])
     assert [op.block_id for op in meta.loads] == [5, 6, 7, 8]
 
@@ -295,9 +298,9 @@ def test_requests_freed_without_request_finished_are_forgotten() -> None:
     # Defect 6: TensorRT-LLM frees cancelled and failed requests without request_finished.
     core, store = staged_core(n_blocks=4)
     cancelled = FakeRequest(1, PROMPT)
-    core.get_num_new_matched_tokens(cancelled, 0)  # claimed and pinned, never scheduled
+    core.get_num_new_matched_tokens(view(cancelled), 0)  # claimed and pinned, never scheduled
     running = FakeRequest(2, [1, 2, 3, 4, 5])
-    core.get_num_new_matched_tokens(running, 0)
+    core.get_num_new_matched_tokens(view(running), 0)
     for _ in range(SchedulerCore.STALE_STEPS + 1):
         core.build_connector_meta([], [cached_report(2, 5)])
     assert core.tracked_requests == 1, "the running request is kept"
@@ -320,8 +323,8 @@ def test_requests_with_invisible_key_inputs_are_neither_claimed_nor_saved(
     request = FakeRequest(1, PROMPT)
     for name, value in attrs.items():
         setattr(request, name, value)
-    assert core.get_num_new_matched_tokens(request, 0) == 0, reason
-    core.update_state_after_alloc(request, [0, 1, 2, 3, 4])
+    assert core.get_num_new_matched_tokens(view(request), 0) == 0, reason
+    core.update_state_after_alloc(request.request_id, [0, 1, 2, 3, 4])
     meta = core.build_connector_meta([first_report(1, PROMPT, [0, 1, 2, 3, 4], 0, 17)], [])
     assert meta.saves == (), reason
     assert meta.loads == (), reason
@@ -332,16 +335,17 @@ def test_lora_requests_key_on_the_configured_adapter_revision() -> None:
     store = make_store(backend)
     config = S3KVConfig.load(environ={}, bucket="b", lora_revisions="3=commit:abc, 4=commit:def")
     core = SchedulerCore(config, TPB)
-    core.shards = ShardStores([store])
+    core.attach(ShardStores([store]), board=CompletionBoard.private(), manager="v1")
+    lora = config.lora_revision_map()
     request = FakeRequest(1, PROMPT, lora_task_id=3)
-    core.get_num_new_matched_tokens(request, 0)
-    core.update_state_after_alloc(request, [0, 1, 2, 3, 4])
+    core.get_num_new_matched_tokens(view(request, lora), 0)
+    core.update_state_after_alloc(request.request_id, [0, 1, 2, 3, 4])
     meta = core.build_connector_meta([first_report(1, PROMPT, [0, 1, 2, 3, 4], 0, 17)], [])
     keys_3 = [op.key for op in meta.saves]
     assert len(keys_3) == 4
     assert keys_3 != [bytes(k) for k in chain_hashes(PROMPT, TPB)]
     other = FakeRequest(2, PROMPT, lora_task_id=4)
-    core.get_num_new_matched_tokens(other, 0)
+    core.get_num_new_matched_tokens(view(other, lora), 0)
     meta = core.build_connector_meta([first_report(2, PROMPT, [5, 6, 7, 8, 9], 0, 17)], [])
     assert {op.key for op in meta.saves}.isdisjoint(keys_3), "another adapter, other keys"
 
@@ -350,12 +354,13 @@ def test_v2_loads_exactly_the_honoured_blocks_and_unpins_the_rest() -> None:
     # Defect 5: KVCacheManagerV2 may honour fewer tokens than offered
     # (commit_new_matched_tokens sets py_num_connector_matched_tokens before the alloc call).
     core, store = staged_core(n_blocks=4)
-    core.manager = "v2"
+    assert core.shards is not None
+    core.attach(core.shards, board=core.board, manager="v2")
     keys = chain_hashes(PROMPT, TPB)
     request = FakeRequest(1, PROMPT)
-    assert core.get_num_new_matched_tokens(request, 0) == 16
+    assert core.get_num_new_matched_tokens(view(request), 0) == 16
     request.py_num_connector_matched_tokens = 8  # type: ignore[attr-defined]
-    core.update_state_after_alloc(request, [0, 1, 2])  # pages of the first chunk only
+    core.update_state_after_alloc(request.request_id, [0, 1, 2], honoured_tokens(request))
     meta = core.build_connector_meta([first_report(1, PROMPT, [0, 1, 2], 0, 4)], [])
     assert [op.block_id for op in meta.loads] == [0, 1]
     assert store.staging.remove(keys[2]), "the unhonoured tail is unpinned"
@@ -366,8 +371,8 @@ def test_v2_loads_exactly_the_honoured_blocks_and_unpins_the_rest() -> None:
 def test_unscheduled_claim_is_released_at_finish() -> None:
     core, store = staged_core(n_blocks=4)
     request = FakeRequest(1, PROMPT)
-    core.get_num_new_matched_tokens(request, 0)
-    core.request_finished(request)
+    core.get_num_new_matched_tokens(view(request), 0)
+    core.request_finished(request.request_id)
     assert store.staging.remove(chain_hashes(PROMPT, TPB)[0])
     assert core.tracked_requests == 0
 
@@ -375,6 +380,6 @@ def test_unscheduled_claim_is_released_at_finish() -> None:
 @pytest.mark.parametrize("computed", [0, 4, 8, 12, 16])
 def test_claim_bound_holds_for_every_device_match(computed: int) -> None:
     core, _ = staged_core()
-    claimed = core.get_num_new_matched_tokens(FakeRequest(1, PROMPT), computed)
+    claimed = core.get_num_new_matched_tokens(view(FakeRequest(1, PROMPT)), computed)
     assert claimed % TPB == 0
     assert claimed <= len(PROMPT) - 1 - computed

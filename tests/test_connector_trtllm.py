@@ -57,8 +57,8 @@ class Request:
 
 @pytest.fixture
 def bucket_env(moto_server: str, aws_env: None, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
-    from s3kv.backend_s3 import ensure_bucket, make_client
     from s3kv.config import S3KVConfig
+    from s3kv.storage import ensure_bucket, make_client
 
     bucket = unique_bucket()
     env = {

@@ -14,7 +14,6 @@ from pathlib import Path
 
 import pytest
 
-from s3kv.backend_s3 import S3Backend
 from s3kv.config import S3KVConfig
 from s3kv.local_s3 import (
     STATE_FILE,
@@ -26,6 +25,7 @@ from s3kv.local_s3 import (
     status,
     stop_from_state,
 )
+from s3kv.storage import S3Backend
 
 pytestmark = pytest.mark.seaweedfs
 

@@ -15,7 +15,6 @@ from typing import Any
 import numpy as np
 import pytest
 
-from s3kv.backend import Backend, Capabilities, DeleteResult, MemoryBackend, ObjectInfo
 from s3kv.errors import (
     BadMagicError,
     ChecksumError,
@@ -25,8 +24,15 @@ from s3kv.errors import (
     TruncatedError,
 )
 from s3kv.keys import ROOT_HASH, BlockHash, manifest_prefix
-from s3kv.manifest import CompactionReport, Manifest, UsageRow, compact, load_usage
-from s3kv.manifest_format import (
+from s3kv.manifest import (
+    CompactionReport,
+    Manifest,
+    UsageRow,
+    UsageTable,
+    compact,
+    load_usage,
+)
+from s3kv.manifest.format import (
     CURRENT_NAME,
     KIND_HIT,
     KIND_WRITE,
@@ -39,7 +45,7 @@ from s3kv.manifest_format import (
     segment_name,
     snapshot_paths,
 )
-from s3kv.manifest_usage import UsageTable
+from s3kv.storage import Backend, Capabilities, DeleteResult, MemoryBackend, ObjectInfo
 
 PREFIX, FP = "kv", "fp0123"
 ROOT = manifest_prefix(PREFIX, FP)

@@ -8,12 +8,12 @@ from collections.abc import Iterator
 import numpy as np
 import pytest
 
-from s3kv.backend import MemoryBackend
 from s3kv.config import S3KVConfig
 from s3kv.errors import EndpointError
 from s3kv.keys import ROOT_HASH, BlockHash, ModelIdentity, chain_hashes
 from s3kv.pool import IOPool
 from s3kv.staging import NumpyAllocator
+from s3kv.storage import MemoryBackend
 from s3kv.store import KVStore, SaveStatus
 
 SHAPE = (2, 2, 4, 1, 8)  # layers, kv, tokens, heads, head_dim
@@ -342,7 +342,7 @@ def test_hits_reach_the_manifest(backend: MemoryBackend, chain: list[BlockHash])
 
 
 def test_breaker_opens_then_recovers(chain: list[BlockHash]) -> None:
-    from s3kv.breaker import BreakerState
+    from s3kv.storage import BreakerState
 
     backend = FlakyBackend()
     store = open_store(backend, breaker_failures=2, breaker_cooldown=0.0)

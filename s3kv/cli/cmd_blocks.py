@@ -7,7 +7,6 @@ from typing import Annotated, Any
 import typer
 from rich.console import Console
 
-from s3kv.backend import DELETE_BATCH
 from s3kv.cli.context import (
     BucketOpt,
     CommandError,
@@ -28,6 +27,7 @@ from s3kv.ops.prune import PrunePlan, PruneReport, Tally, execute_prune, plan_pr
 from s3kv.ops.scope import resolve_scope
 from s3kv.ops.stats import AGE_BUCKETS, PriceTable, StatsReport, collect_stats
 from s3kv.ops.verify import VerifyReport, verify_objects
+from s3kv.storage import DELETE_BATCH
 
 __all__ = ["compact", "prune", "stats", "verify"]
 

@@ -17,8 +17,8 @@ from typing import Annotated
 
 import typer
 
-from s3kv.backend import Backend
 from s3kv.config import S3KVConfig
+from s3kv.storage import Backend, is_file_url, open_backend
 
 __all__ = [
     "BucketOpt",
@@ -89,7 +89,8 @@ class Runtime:
 
     Attributes:
         clock: Epoch seconds ("now" for prune windows, stats ages, records, compaction).
-        open_backend: Builds the backend from settings; default ``S3Backend.from_config``.
+        open_backend: Builds the backend from settings; default
+            :func:`s3kv.storage.open_backend` (a ``file://`` directory or S3).
         environ: Environment the settings are read from; default ``os.environ``.
         interactive: Whether a human can answer a prompt and watch a progress bar;
             default: stdin (prompts) and stderr (progress) are terminals.
@@ -127,13 +128,13 @@ def load_config(
 
     Raises:
         ConfigError: a setting is invalid (the message names it).
-        CommandError: no bucket is configured.
+        CommandError: no bucket is configured (a ``file://`` endpoint needs none).
     """
     cfg = S3KVConfig.load(
         environ=rt.environ, bucket=bucket, prefix=prefix, endpoint_url=endpoint_url,
         profile=profile,
     )  # fmt: skip
-    if not cfg.bucket:
+    if not cfg.bucket and not is_file_url(cfg.endpoint_url):
         raise CommandError("no bucket configured: pass --bucket or set TLLM_S3KV_BUCKET")
     return cfg
 
@@ -155,12 +156,7 @@ def connect(rt: Runtime, cfg: S3KVConfig, *, write: bool) -> Iterator[Backend]:
     """
     if not write:
         cfg = cfg.replace(conditional_put="off")
-    if rt.open_backend is not None:
-        backend = rt.open_backend(cfg)
-    else:
-        from s3kv.backend_s3 import S3Backend
-
-        backend = S3Backend.from_config(cfg)
+    backend = (rt.open_backend or open_backend)(cfg)
     try:
         backend.check()
         yield backend

@@ -1,6 +1,9 @@
 """The TensorRT-LLM KV cache connector.
 
-``s3kv.connector.trtllm`` holds the classes users name in ``KvCacheConnectorConfig``; it is
-the only module that imports ``tensorrt_llm``. ``s3kv.connector.api`` resolves the base
-classes and data classes (TensorRT-LLM's when it imports, local stand-ins otherwise).
+``s3kv.connector.trtllm`` holds the classes users name in ``KvCacheConnectorConfig``.
+``s3kv.connector.api`` is the only module that imports ``tensorrt_llm``: it resolves the base
+classes and data classes (TensorRT-LLM's when it imports, local stand-ins otherwise) and
+TensorRT-LLM's MPI helpers. The scheduler and worker cores are engine-neutral: they see
+:class:`~s3kv.connector.requests.RequestView` s the adapter builds, and the store only
+through its public API (:class:`~s3kv.connector.shared.ShardStores`).
 """

@@ -7,7 +7,8 @@ names, arguments and return types, and the ``RequestData`` / ``SchedulerOutput``
 They let the connector be imported, type-checked and driven by s3kv's emulated runtime on
 machines without TensorRT-LLM. Both locations are tried, newest first.
 
-Nothing here imports torch at module level.
+Nothing here imports torch at module level. This is s3kv's only module that imports
+``tensorrt_llm`` (the architecture test checks it).
 """
 
 from __future__ import annotations
@@ -142,6 +143,18 @@ class KvCacheConnectorScheduler(ABC):
         return None
 
 
+def trtllm_utils() -> Any | None:
+    """TensorRT-LLM's ``tensorrt_llm._utils`` (its MPI helpers), or ``None`` without it.
+
+    NOTE: this module is s3kv's only importer of ``tensorrt_llm``; the collectives in
+    :mod:`s3kv.connector.comm` get TensorRT-LLM's MPI helpers through here.
+    """
+    try:
+        return importlib.import_module("tensorrt_llm._utils")
+    except ImportError:
+        return None
+
+
 _real = _import_trtllm()
 #: Where the base classes came from: a tensorrt_llm module path, or "s3kv stand-ins".
 SOURCE: str = _real[1] if _real else "s3kv stand-ins"
@@ -164,4 +177,5 @@ __all__ = [
     "SchedulerBase",
     "SchedulerOutput",
     "WorkerBase",
+    "trtllm_utils",
 ]

@@ -7,8 +7,9 @@ s3kv's emulated runtime installs its own (torch.distributed over gloo) with
 
 from __future__ import annotations
 
-import importlib
 from typing import Any, Protocol
+
+from s3kv.connector.api import trtllm_utils
 
 
 class Collectives(Protocol):
@@ -80,8 +81,7 @@ def get_collectives() -> Collectives:
     """The installed collectives, else TensorRT-LLM's MPI, else a single process."""
     if _installed is not None:
         return _installed
-    try:
-        utils = importlib.import_module("tensorrt_llm._utils")
-    except ImportError:
+    utils = trtllm_utils()
+    if utils is None:
         return SingleProcess()
     return TrtllmMpi(utils)  # pragma: no cover - needs tensorrt_llm

@@ -27,19 +27,18 @@ forgotten after :attr:`SchedulerCore.STALE_STEPS` steps.
 
 from __future__ import annotations
 
-import hashlib
 import logging
-import struct
 from collections import deque
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from s3kv.config import S3KVConfig
 from s3kv.connector.completion import CompletionBoard
 from s3kv.connector.metadata import EMPTY, ConnectorMetadata, LoadOp, SaveOp
+from s3kv.connector.requests import RequestView, StepReport
 from s3kv.connector.shared import ShardStores
-from s3kv.keys import ROOT_HASH, BlockHash, MultimodalItem, chain_hashes
+from s3kv.keys import ROOT_HASH, BlockHash, chain_hashes
 
 logger = logging.getLogger(__name__)
 
@@ -63,76 +62,17 @@ class _Request:
     last_seen: int = 0  # the scheduler step that last reported this request
 
 
-def lora_key(revision: str) -> int:
-    """The 64-bit LoRA key input for an adapter revision (stable across instances)."""
-    digest = hashlib.sha256(b"s3kv-lora-revision\0" + revision.encode()).digest()
-    return int.from_bytes(digest[:8], "little")
-
-
-def hash_args(
-    request: Any, lora_revisions: Mapping[int, str] | None = None
-) -> dict[str, Any] | None:
-    """Key inputs beyond tokens, from the attributes TensorRT-LLM's binding exposes.
-
-    Returns ``None`` when a key input exists that s3kv cannot see or cannot make global, so
-    the request is neither claimed nor saved (two different contents would share a key):
-
-    * a LoRA task id without a configured adapter revision (``lora_revisions``): the id is a
-      number each deployment assigns, so it may name another adapter elsewhere;
-    * a prompt table (p-tuning): its fake token ids index a per-request embedding table
-      whose contents the binding does not expose.
-    """
-    args: dict[str, Any] = {}
-    lora = getattr(request, "lora_task_id", None)
-    if lora is not None:
-        revision = (lora_revisions or {}).get(int(lora))
-        if revision is None:
-            return None
-        args["lora_task_id"] = lora_key(revision)
-    if _has_prompt_table(request):
-        return None
-    salt = getattr(request, "cache_salt_id", None)
-    if salt is not None:
-        args["cache_salt"] = struct.pack("<Q", int(salt) & (2**64 - 1))
-    hashes = getattr(request, "multimodal_hashes", None)
-    if hashes:
-        positions = list(getattr(request, "multimodal_positions", None) or [])
-        lengths = list(getattr(request, "multimodal_lengths", None) or [])
-        if len(positions) != len(hashes) or len(lengths) != len(hashes):
-            return None  # items without a place in the prompt cannot be keyed
-        args["multimodal"] = [
-            MultimodalItem(struct.pack(f"<{len(h)}i", *[int(v) for v in h]), int(pos), int(length))
-            for h, pos, length in zip(hashes, positions, lengths, strict=True)
-        ]
-    return args
-
-
-def _has_prompt_table(request: Any) -> bool:
-    # NOTE: getattr with a default: a binding without the attribute means "no table".
-    for name in ("prompt_embedding_table", "prompt_vocab_size"):
-        try:
-            value = getattr(request, name, None)
-        except Exception:  # a binding that raises on read: assume a table, fail closed
-            return True
-        if value is not None and not (isinstance(value, int) and value == 0):
-            return True
-    return False
-
-
 class SchedulerCore:
     """Per-request claim and save planning over the shard stores.
+
+    Engine-neutral: it sees :class:`~s3kv.connector.requests.RequestView` s the adapter
+    builds and ``RequestData``-shaped reports, never the engine's request objects. Until
+    :meth:`attach` gives it the shard stores (once every worker registered) it claims and
+    saves nothing.
 
     Args:
         config: s3kv settings.
         tokens_per_block: The engine's block size in tokens.
-
-    Attributes (set by the adapter once the workers registered):
-        shards: The stores of every TP shard (``None`` until the workers registered; until
-            then nothing is claimed or saved).
-        arenas: Per rank ``(path, slot_bytes)`` of the staging arenas (tensor parallel), or
-            empty.
-        slot_of: Maps (rank, key) to the arena slot holding that shard (tensor parallel).
-        board: Where the workers publish completed loads; pins are released from it.
     """
 
     #: Scheduler steps a request may be missing from the scheduler output before its state
@@ -143,10 +83,7 @@ class SchedulerCore:
     def __init__(self, config: S3KVConfig, tokens_per_block: int) -> None:
         self.config = config
         self.tokens_per_block = tokens_per_block
-        self.lora_revisions = config.lora_revision_map()
         self.shards: ShardStores | None = None
-        self.arenas: tuple[tuple[str, int], ...] = ()
-        self.slot_of: Any = None
         self.board: CompletionBoard = CompletionBoard.private()
         self.manager = "v1"  # "v2": KVCacheManagerV2 (honoured counts, per-chunk pages)
         self._requests: dict[int, _Request] = {}
@@ -155,23 +92,34 @@ class SchedulerCore:
         self._load_seq = 0
         self._step = 0
 
+    def attach(self, shards: ShardStores, *, board: CompletionBoard, manager: str) -> None:
+        """Start claiming and saving over ``shards`` (every worker has registered).
+
+        Args:
+            shards: The stores of every TP shard (and their staging arenas under TP).
+            board: Where the workers publish completed loads; pins are released from it.
+            manager: ``"v1"`` or ``"v2"`` (KVCacheManagerV2: honoured counts, per-chunk pages).
+        """
+        self.shards = shards
+        self.board = board
+        self.manager = manager
+
     # --- the claim (memory only) ---
 
-    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> int:
+    def get_num_new_matched_tokens(self, request: RequestView, num_computed_tokens: int) -> int:
         """Tokens beyond ``num_computed_tokens`` that are staged on every shard (pinned)."""
         tpb = self.tokens_per_block
-        prompt_len = int(request.prompt_len)
-        rid = int(request.request_id)
+        prompt_len = len(request.prompt)
+        rid = request.request_id
         previous = self._requests.pop(rid, None)
         if previous is not None:  # asked again (V2 re-offers): the old pins go first
             self._release_unplanned(previous)
-        args = hash_args(request, self.lora_revisions)
+        args = request.key_inputs
         if args is None:
             self._requests[rid] = _Request(rid, prompt_len, None, [], last_seen=self._step)
             self._metric("connector_uncacheable_requests")
             return 0
-        tokens = list(request.get_tokens(0))[:prompt_len]
-        keys = chain_hashes(tokens, tpb, **args)
+        keys = chain_hashes(request.prompt, tpb, **args)
         state = _Request(rid, prompt_len, args, keys, last_seen=self._step)
         self._requests[rid] = state
         shards = self.shards
@@ -182,41 +130,37 @@ class SchedulerCore:
         start = num_computed_tokens // tpb
         max_blocks = max(0, (prompt_len - 1 - num_computed_tokens) // tpb)
         candidates = keys[start : start + max_blocks]
-        claimed = shards.pin_leading(candidates)
-        tail = candidates[claimed:]
-        maybe = shards.maybe(tail) if tail else 0
-        if maybe:
-            shards.prefetch(tail[:maybe])
-        metrics = shards.stores[0].metrics
-        metrics.inc("connector_requests")
-        metrics.inc("connector_claimed_tokens", claimed * tpb)
-        metrics.inc("connector_prompt_tokens", prompt_len)
+        claimed = shards.claim(candidates)
+        shards.metrics.inc("connector_requests")
+        shards.metrics.inc("connector_claimed_tokens", claimed * tpb)
+        shards.metrics.inc("connector_prompt_tokens", prompt_len)
         if claimed:
             state.claim_start = start
             state.claimed = candidates[:claimed]
             state.connector_tokens = claimed * tpb
-            shards.record_hits(state.claimed)
         return state.connector_tokens
 
-    def update_state_after_alloc(self, request: Any, block_ids: Sequence[int]) -> None:
+    def update_state_after_alloc(
+        self, request_id: int, block_ids: Sequence[int], honoured_tokens: int | None = None
+    ) -> None:
         """Remember the allocated blocks and plan the claim's loads right away.
 
         Under KVCacheManagerV2 the runtime may honour fewer tokens than offered and records
-        the honoured count in ``request.py_num_connector_matched_tokens`` before this call
-        (``commit_new_matched_tokens`` in ``connectors/kv_cache_connector.py`` @``035ab91c``):
-        exactly the honoured blocks are loaded, the rest of the claim is unpinned. V1 honours
-        the whole claim.
+        the honoured count (``honoured_tokens``, from ``py_num_connector_matched_tokens``)
+        before this call (``commit_new_matched_tokens`` in ``connectors/kv_cache_connector.py``
+        @``035ab91c``): exactly the honoured blocks are loaded, the rest of the claim is
+        unpinned. V1 honours the whole claim.
         """
-        state = self._requests.get(int(request.request_id))
+        state = self._requests.get(request_id)
         if state is None:
             return
         if self.manager == "v2":
-            self._honour(state, getattr(request, "py_num_connector_matched_tokens", None))
+            self._honour(state, honoured_tokens)
         state.block_ids = list(block_ids)
         self._plan_loads(state)
 
-    def _honour(self, state: _Request, honoured: Any) -> None:
-        if not state.claimed or state.loads_planned or not isinstance(honoured, int):
+    def _honour(self, state: _Request, honoured: int | None) -> None:
+        if not state.claimed or state.loads_planned or honoured is None:
             return
         tpb = self.tokens_per_block
         honoured = max(0, min(honoured, state.connector_tokens))
@@ -229,7 +173,9 @@ class SchedulerCore:
 
     # --- metadata ---
 
-    def build_connector_meta(self, new_requests: Sequence[Any], cached: Sequence[Any]) -> Any:
+    def build_connector_meta(
+        self, new_requests: Sequence[StepReport], cached: Sequence[StepReport]
+    ) -> ConnectorMetadata:
         """This iteration's loads and saves; releases pins whose loads completed everywhere.
 
         Loads come first and cannot be lost: they were planned when the blocks were known
@@ -276,12 +222,12 @@ class SchedulerCore:
             self._load_seq += 1
             seq = self._load_seq
             self._held.append((seq, [BlockHash(op.key) for op in loads]))
-        return ConnectorMetadata(
-            loads, tuple(saves), self.arenas if loads else (), seq,
-            self.board.path if loads else "",
-        )  # fmt: skip
+        arenas = self.shards.arenas if loads and self.shards is not None else ()
+        return ConnectorMetadata(loads, tuple(saves), arenas, seq, self.board.path if loads else "")
 
-    def _plan_request_saves(self, state: _Request, data: Any, *, first: bool) -> list[SaveOp]:
+    def _plan_request_saves(
+        self, state: _Request, data: StepReport, *, first: bool
+    ) -> list[SaveOp]:
         if first:
             valid = data.computed_position + state.connector_tokens + data.num_scheduled_tokens
             return self._plan_saves(state, valid)
@@ -295,12 +241,13 @@ class SchedulerCore:
         needed = state.claim_start + len(state.claimed)
         if len(state.block_ids) < needed:
             return  # blocks not known yet (the first report carries them)
+        shards = self.shards
         ops = []
         for i, key in enumerate(state.claimed):
             block_id = state.block_ids[state.claim_start + i]
             if block_id < 0:  # BAD_PAGE_INDEX: no page for an honoured block cannot happen
                 raise RuntimeError(f"claimed block {i} of request {state.request_id} has no page")
-            slots = tuple(self.slot_of(rank, key) for rank in range(len(self.arenas)))
+            slots = shards.slots(key) if shards is not None else ()
             ops.append(LoadOp(block_id, bytes(key), slots))
         self._ready_loads.extend(ops)
         state.loads_planned = True
@@ -363,19 +310,19 @@ class SchedulerCore:
 
     def _metric(self, name: str, amount: int = 1) -> None:
         if self.shards is not None:
-            self.shards.stores[0].metrics.inc(name, amount)
+            self.shards.metrics.inc(name, amount)
 
     # --- end of a request ---
 
-    def abandon(self, request: Any) -> None:
+    def abandon(self, request_id: int) -> None:
         """Forget a request whose claim failed half-way: its pins go, nothing is loaded."""
-        state = self._requests.pop(int(request.request_id), None)
+        state = self._requests.pop(request_id, None)
         if state is not None:
             self._release_unplanned(state)
 
-    def request_finished(self, request: Any) -> bool:
+    def request_finished(self, request_id: int) -> bool:
         """True if the request had saves planned (the workers report when copies are done)."""
-        state = self._requests.pop(int(request.request_id), None)
+        state = self._requests.pop(request_id, None)
         if state is None:
             return False
         self._release_unplanned(state)  # claimed but never scheduled: release now

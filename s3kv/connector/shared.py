@@ -19,7 +19,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from s3kv.config import S3KVConfig
+from s3kv.connector.arena import SlabArena
 from s3kv.keys import BlockHash, ModelIdentity
+from s3kv.metrics import Metrics
 from s3kv.staging import HostAllocator
 from s3kv.store import KVStore
 
@@ -88,35 +90,75 @@ def process_state() -> ProcessState:
 class ShardStores:
     """One store per tensor-parallel shard, used together by the scheduler on rank 0.
 
-    A block counts as staged only when every shard is staged; pins are all-or-nothing.
+    A block counts as staged only when every shard is staged; pins are all-or-nothing. Under
+    tensor parallelism each shard stages into its own :class:`~s3kv.connector.arena.SlabArena`
+    (shared memory the other ranks map), and :meth:`slots` names, per rank, the slot holding
+    a claimed block. The connector claims only through :meth:`claim`, which is
+    :meth:`KVStore.claim <s3kv.store.KVStore.claim>` taken over every shard.
+
+    Args:
+        stores: The stores, in rank order.
+        arenas: Their staging arenas, in rank order (tensor parallel), or none.
     """
 
-    def __init__(self, stores: Sequence[KVStore]) -> None:
+    def __init__(self, stores: Sequence[KVStore], arenas: Sequence[SlabArena] = ()) -> None:
         self.stores = list(stores)
+        self._arenas = list(arenas)
+
+    @property
+    def metrics(self) -> Metrics:
+        """The registry connector counters go to (rank 0's shard)."""
+        return self.stores[0].metrics
 
     @property
     def healthy(self) -> bool:
         """All shard stores' circuit breakers are closed."""
         return all(store.healthy for store in self.stores)
 
-    def pin_leading(self, keys: Sequence[BlockHash]) -> int:
-        """Pin the leading run staged on *every* shard; returns its length."""
-        counts: list[int] = []
-        for store in self.stores:
-            counts.append(store.pin_leading(keys))
+    @property
+    def arenas(self) -> tuple[tuple[str, int], ...]:
+        """Per rank ``(path, slot_bytes)`` of the staging arenas, or empty (one rank)."""
+        return tuple((a.path, a.slot_bytes) for a in self._arenas)
+
+    def claim(self, keys: Sequence[BlockHash]) -> int:
+        """Pin the leading run staged on *every* shard, prefetch the rest; no network.
+
+        Returns:
+            How many leading blocks were pinned (on every shard).
+        """
+        if len(self.stores) == 1:
+            return self.stores[0].claim(keys)
+        counts = [store.pin_leading(keys) for store in self.stores]
         claim = min(counts)
         for store, count in zip(self.stores, counts, strict=True):
             store.unpin(keys[claim:count])
+        tail = keys[claim:]
+        maybe = min(store.count_maybe(tail) for store in self.stores) if tail else 0
+        if maybe:
+            self.prefetch(tail[:maybe])
+        self.record_hits(keys[:claim])
         return claim
 
+    def slots(self, key: BlockHash) -> tuple[int, ...]:
+        """Per rank, the arena slot holding ``key``'s shard (empty with one rank).
+
+        Raises:
+            RuntimeError: ``key`` is not staged on some shard (it must be pinned by a claim).
+        """
+        if not self._arenas:
+            return ()
+        out = []
+        for rank, (store, arena) in enumerate(zip(self.stores, self._arenas, strict=True)):
+            buffer = store.staged(key)
+            if buffer is None:  # unreachable: claimed blocks are pinned on every shard
+                raise RuntimeError(f"claimed block {key.hex()} is not staged on rank {rank}")
+            out.append(arena.slot_of(buffer))
+        return tuple(out)
+
     def unpin(self, keys: Sequence[BlockHash]) -> None:
-        """Release pins taken by :meth:`pin_leading`."""
+        """Release pins taken by :meth:`claim`."""
         for store in self.stores:
             store.unpin(keys)
-
-    def maybe(self, keys: Sequence[BlockHash]) -> int:
-        """Leading blocks the manifest of every shard says may exist (memory only)."""
-        return min(store.manifest.count_leading(keys) for store in self.stores)
 
     def prefetch(self, keys: Sequence[BlockHash]) -> None:
         """Stage ``keys`` on every shard in the background."""
@@ -127,11 +169,21 @@ class ShardStores:
         """Wait for fetches of ``keys``; the leading count staged on every shard."""
         return min(store.wait_staged(keys, timeout) for store in self.stores)
 
+    def staged_everywhere(self, key: BlockHash) -> bool:
+        """Whether ``key`` is staged on every shard."""
+        return all(store.is_staged(key) for store in self.stores)
+
     def record_hits(self, keys: Sequence[BlockHash]) -> None:
-        """Usage records for prune and warm start (rank 0's manifest is the usage source)."""
-        for store in self.stores:
-            store.record_hits(keys)
+        """Usage records for prune and warm start."""
+        if keys:
+            for store in self.stores:
+                store.record_hits(keys)
 
     def may_contain(self, key: BlockHash) -> bool:
         """Whether every shard's manifest says ``key`` may exist (then saving is skipped)."""
-        return all(store.manifest.may_contain(key) for store in self.stores)
+        return all(store.may_contain(key) for store in self.stores)
+
+    def close_arenas(self) -> None:
+        """Unmap the staging arenas (their stores must be closed first)."""
+        for arena in self._arenas:
+            arena.close()

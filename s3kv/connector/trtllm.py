@@ -33,12 +33,13 @@ from s3kv.connector.completion import CompletionBoard
 from s3kv.connector.envelope import envelope_problems, envelope_warnings, pool_dtype_problem
 from s3kv.connector.identity import kv_dtype_name, shard_identity, weights_revision
 from s3kv.connector.metadata import EMPTY, ConnectorMetadata
+from s3kv.connector.requests import honoured_tokens, request_view
 from s3kv.connector.scheduler import SchedulerCore
 from s3kv.connector.shared import ShardInfo, ShardStores, process_state
 from s3kv.connector.warm import WarmStart
 from s3kv.connector.worker import WorkerCore
 from s3kv.errors import S3KVError
-from s3kv.keys import UNKNOWN, BlockHash
+from s3kv.keys import UNKNOWN
 
 logger = logging.getLogger(__name__)
 
@@ -76,7 +77,6 @@ class S3KVConnectorScheduler(SchedulerBase):  # type: ignore[misc]
         self.off_reason = ""
         self.core: SchedulerCore | None = None
         self.warm: WarmStart | None = None
-        self._arenas: list[SlabArena] = []
         self._warm_awaited = False
         try:
             config = S3KVConfig.load()
@@ -90,6 +90,7 @@ class S3KVConnectorScheduler(SchedulerBase):  # type: ignore[misc]
         for warning in envelope_warnings(llm_args):
             logger.warning("s3kv: %s", warning)
         self.config = config
+        self._lora_revisions = config.lora_revision_map()
         self.core = SchedulerCore(config, _tokens_per_block(llm_args))
         process_state().scheduler = self
 
@@ -118,8 +119,9 @@ class S3KVConnectorScheduler(SchedulerBase):  # type: ignore[misc]
             return
         state = process_state()
         identities = [s.identity for s in shards if s.identity is not None]
+        board = CompletionBoard.private()
         if len(shards) == 1:
-            stores = [state.open_store(self.config, identities[0])]
+            stores = ShardStores([state.open_store(self.config, identities[0])])
         else:
             if len({s.host for s in shards}) > 1:
                 self._turn_off(
@@ -129,21 +131,19 @@ class S3KVConnectorScheduler(SchedulerBase):  # type: ignore[misc]
                 return
             share = self.config.staging_bytes // len(shards)
             config = self.config.replace(staging_bytes=share)
-            self._arenas = [
-                SlabArena.create(s.block_nbytes, share, tag=f"r{s.rank}-") for s in shards
-            ]
-            stores = [
-                state.open_store(config, identity, allocator=arena)
-                for identity, arena in zip(identities, self._arenas, strict=True)
-            ]
-            core.arenas = tuple((str(a.path), a.slot_bytes) for a in self._arenas)
-            core.slot_of = self._slot_of
-            core.board = CompletionBoard.shared(len(shards))
-        core.shards = ShardStores(stores)
-        if (identities[0].layout or "").startswith("trtllm-v2/"):
-            core.manager = "v2"
+            arenas = [SlabArena.create(s.block_nbytes, share, tag=f"r{s.rank}-") for s in shards]
+            stores = ShardStores(
+                [
+                    state.open_store(config, identity, allocator=arena)
+                    for identity, arena in zip(identities, arenas, strict=True)
+                ],
+                arenas,
+            )
+            board = CompletionBoard.shared(len(shards))
+        manager = "v2" if (identities[0].layout or "").startswith("trtllm-v2/") else "v1"
+        core.attach(stores, board=board, manager=manager)
         self.warm = WarmStart(
-            core.shards, stores[0], self.config.warm_start_bytes, self.config.warm_start_timeout
+            stores, stores.stores[0], self.config.warm_start_bytes, self.config.warm_start_timeout
         )
         self.warm.start()
 
@@ -160,13 +160,6 @@ class S3KVConnectorScheduler(SchedulerBase):  # type: ignore[misc]
             logger.warning("s3kv: warm start still running after %.0f s; serving anyway",
                            warm.timeout)  # fmt: skip
 
-    def _slot_of(self, rank: int, key: bytes) -> int:
-        shards = self.core.shards if self.core is not None else None
-        buffer = shards.stores[rank].staged(BlockHash(key)) if shards is not None else None
-        if buffer is None:  # unreachable: claimed blocks are pinned on every shard
-            raise RuntimeError(f"claimed block {key.hex()} is not staged on rank {rank}")
-        return self._arenas[rank].slot_of(buffer)
-
     @_guarded(lambda *a, **k: None)
     def wait_for_initialization(self) -> None:
         """Wait (bounded) for warm start, unless registration already did."""
@@ -181,11 +174,12 @@ class S3KVConnectorScheduler(SchedulerBase):  # type: ignore[misc]
         if core is None:
             return 0, False
         try:
-            return core.get_num_new_matched_tokens(request, num_computed_tokens), False
+            view = request_view(request, self._lora_revisions)
+            return core.get_num_new_matched_tokens(view, num_computed_tokens), False
         except Exception:
             logger.exception("s3kv: get_num_new_matched_tokens failed; claiming nothing")
         try:  # NOTE: the engine hears 0, so no claim state (pins, loads) may survive
-            core.abandon(request)
+            core.abandon(int(request.request_id))
         except Exception:
             logger.exception("s3kv: cannot abandon the failed claim")
         return 0, False
@@ -193,7 +187,9 @@ class S3KVConnectorScheduler(SchedulerBase):  # type: ignore[misc]
     @_guarded(lambda *a, **k: None)
     def update_state_after_alloc(self, request: Any, block_ids: list[int]) -> None:
         if self.core is not None:
-            self.core.update_state_after_alloc(request, block_ids)
+            self.core.update_state_after_alloc(
+                int(request.request_id), block_ids, honoured_tokens(request)
+            )
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> ConnectorMetadata:
         """This iteration's loads and saves; on any failure still the claimed loads."""
@@ -218,7 +214,7 @@ class S3KVConnectorScheduler(SchedulerBase):  # type: ignore[misc]
     # and every worker reports the id once its own copies are done (at once if none).
     @_guarded(lambda *a, **k: True)
     def request_finished(self, request: Any, cache_block_ids: list[int]) -> bool:
-        return self.core is not None and self.core.request_finished(request)
+        return self.core is not None and self.core.request_finished(int(request.request_id))
 
 
 class S3KVConnectorWorker(WorkerBase):  # type: ignore[misc]

@@ -77,9 +77,7 @@ class WarmStart:
             )  # fmt: skip
             self.shards.prefetch(keys)
             self.shards.wait_staged(keys, max(0.0, started + self.timeout - time.monotonic()))
-            self.staged = sum(
-                1 for k in keys if all(k in store.staging for store in self.shards.stores)
-            )
+            self.staged = sum(1 for k in keys if self.shards.staged_everywhere(k))
             metrics.set("warm_blocks_staged", self.staged)
         except (StorageError, CodecError) as exc:
             logger.warning("s3kv: warm start skipped: %s", exc)

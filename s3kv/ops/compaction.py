@@ -1,6 +1,6 @@
 """Compact: fold each fingerprint's manifest segments into a new snapshot generation.
 
-A thin loop over :func:`s3kv.manifest_compact.compact`, which documents the protocol (new
+A thin loop over :func:`s3kv.manifest.compact`, which documents the protocol (new
 generation written with conditional PUTs, ``CURRENT`` replaced last, folded segments and
 superseded generations deleted, safe against concurrent engines and compactors).
 
@@ -18,18 +18,18 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from s3kv.backend import Backend
 from s3kv.errors import CodecError
-from s3kv.manifest_compact import CompactionReport, compact
+from s3kv.manifest import CompactionReport, compact
 from s3kv.ops import ProgressFn, no_progress
 from s3kv.ops.scope import Fingerprint, list_blocks
+from s3kv.storage import Backend
 
 __all__ = ["CompactAllReport", "compact_scope"]
 
 
 @dataclass(frozen=True)
 class CompactAllReport:
-    """One :class:`~s3kv.manifest_compact.CompactionReport` per fingerprint.
+    """One :class:`~s3kv.manifest.CompactionReport` per fingerprint.
 
     Attributes:
         full: Whether a listing was folded in.

@@ -6,18 +6,19 @@ Checks, in order (a failed reachability check skips the ones that need the bucke
    the TOML file, the command line). Settings hold no secrets; URLs are shown without any
    ``user:password@``. A setting that does not parse fails here, with its fix.
 2. **credentials** — which link of the AWS chain supplied them (env, profile, SSO, role),
-   with the access key id masked to its last four characters; never the secret.
+   with the access key id masked to its last four characters; never the secret (skipped
+   for a ``file://`` directory, which needs none).
 3. **bucket** — HeadBucket: reachable, exists, credentials accepted (with its latency).
 4. **list / put / get / delete** — the permissions actually held, tried on a scratch key
    ``<prefix>/.s3kv-probe/doctor-<random>`` that is deleted afterwards (the scratch area
    the conditional-write probe uses too; ``infra/aws/`` grants it to every role); each
    refusal names the IAM action to grant.
-5. **conditional write** — whether ``If-None-Match: *`` is honoured (the probe of
-   :func:`s3kv.backend_s3.probe_conditional_put`).
+5. **conditional write** — whether ``If-None-Match: *`` is honoured
+   (:meth:`s3kv.storage.Backend.probe_conditional_put`).
 6. **latency** — median and worst of a few HEAD requests.
 
-Credential provenance is not part of the storage interface, so this module asks boto3's
-session for it directly (lazily, like :mod:`s3kv.backend_s3`).
+Everything goes through :mod:`s3kv.storage` (:func:`~s3kv.storage.open_backend`,
+:func:`~s3kv.storage.whoami`), so a ``file://`` directory is checked like a bucket.
 """
 
 from __future__ import annotations
@@ -31,9 +32,9 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, fields
 from typing import Any, TypeVar
 
-from s3kv.backend import Backend
 from s3kv.config import S3KVConfig
 from s3kv.errors import AccessDeniedError, ConfigError, StorageError
+from s3kv.storage import Backend, is_file_url, open_backend, whoami
 
 __all__ = ["Check", "DoctorReport", "Setting", "run_doctor"]
 
@@ -98,7 +99,7 @@ def run_doctor(
     Args:
         environ: Environment to read settings from (default ``os.environ``).
         overrides: Command-line settings (``bucket``, ``prefix``...; ``None`` values ignored).
-        open_backend: Builds the backend (default: :meth:`S3Backend.from_config`). Called
+        open_backend: Builds the backend (default: :func:`s3kv.storage.open_backend`). Called
             with ``conditional_put="off"`` so that opening does no I/O.
         timer: Monotonic seconds, for latencies.
         samples: HEAD requests for the latency check.
@@ -109,7 +110,7 @@ def run_doctor(
         return DoctorReport((), (Check("settings", "fail", str(exc), "fix the setting named"),))
     settings = _settings(cfg, sources, os.environ if environ is None else environ)
     checks: list[Check] = [Check("settings", "ok", f"{len(sources)} set, the rest defaults")]
-    if not cfg.bucket:
+    if not cfg.bucket and not is_file_url(cfg.endpoint_url):
         checks.append(Check("bucket", "fail", "no bucket configured",
                             "set TLLM_S3KV_BUCKET or pass --bucket"))  # fmt: skip
         return DoctorReport(settings, tuple(checks))
@@ -126,13 +127,8 @@ def run_doctor(
     return DoctorReport(settings, tuple(checks))
 
 
-def _open(cfg: S3KVConfig, open_backend: Callable[[S3KVConfig], Backend] | None) -> Backend:
-    quiet = cfg.replace(conditional_put="off")
-    if open_backend is not None:
-        return open_backend(quiet)
-    from s3kv.backend_s3 import S3Backend
-
-    return S3Backend.from_config(quiet)
+def _open(cfg: S3KVConfig, factory: Callable[[S3KVConfig], Backend] | None) -> Backend:
+    return (factory or open_backend)(cfg.replace(conditional_put="off"))
 
 
 def _safe(value: object) -> str:
@@ -156,22 +152,17 @@ def _settings(
 
 
 def _credentials(cfg: S3KVConfig) -> Check:
-    from s3kv.backend_s3 import FOREIGN_ERRORS, translate_error
-
     try:
-        import boto3
-
-        creds = boto3.session.Session(profile_name=cfg.profile).get_credentials()
-    except FOREIGN_ERRORS as exc:
-        error = translate_error(exc, op="credentials", key=None, bucket=cfg.bucket)
-        return Check("credentials", "fail", str(error), _remedy(error))
+        creds = whoami(cfg)
+    except StorageError as exc:
+        return Check("credentials", "fail", str(exc), _remedy(exc))
     if creds is None:
         return Check("credentials", "fail", "no AWS credentials found",
                      "set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, AWS_PROFILE or "
                      "TLLM_S3KV_PROFILE, or run with an instance/container role")  # fmt: skip
-    key_id = str(getattr(creds, "access_key", "") or "")
-    masked = "*" * max(0, len(key_id) - 4) + key_id[-4:]
-    return Check("credentials", "ok", f"from {creds.method}, access key id {masked}")
+    if not creds.required:
+        return Check("credentials", "skip", creds.source)
+    return Check("credentials", "ok", f"from {creds.source}, access key id {creds.access_key_id}")
 
 
 def _remedy(exc: StorageError) -> str:
@@ -255,13 +246,8 @@ def _permission(
 def _conditional(backend: Backend, cfg: S3KVConfig, put_ok: bool) -> Check:
     if not put_ok:
         return Check("conditional write", "skip", "needs put permission")
-    from s3kv.backend_s3 import S3Backend, probe_conditional_put
-
     try:
-        if isinstance(backend, S3Backend):
-            supported = probe_conditional_put(backend.client, backend.bucket, cfg.key_prefix)
-        else:
-            supported = backend.capabilities.conditional_put
+        supported = backend.probe_conditional_put(cfg.key_prefix)
     except StorageError as exc:
         return Check("conditional write", "fail", str(exc), _remedy(exc))
     if supported:

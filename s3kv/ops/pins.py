@@ -1,7 +1,7 @@
 """Pins: prefixes that prune keeps and warm start stages first.
 
 A pin is a manifest record (kind ``pin``/``unpin``; the latest one of a key wins, see
-:mod:`s3kv.manifest_usage`), written here as one new segment per fingerprint, so engines
+:mod:`s3kv.manifest.usage`), written here as one new segment per fingerprint, so engines
 and ``prune`` see it at their next manifest read and nothing is rewritten in place.
 
 Targets come from key hex (``s3kv pin KEY...``) or from prompt text: the text is tokenized
@@ -24,22 +24,21 @@ from typing import Protocol
 
 import numpy as np
 
-from s3kv.backend import Backend
 from s3kv.errors import CodecError, ConfigError, KeyDerivationError
 from s3kv.keys import HASH_BYTES, ROOT_HASH, BlockHash, block_object_key, chain_hashes
-from s3kv.manifest_compact import ManifestIO, load_usage
-from s3kv.manifest_format import (
+from s3kv.manifest import (
     KIND_PIN,
     KIND_UNPIN,
     KIND_WRITE,
     RECORD_DTYPE,
-    SEGMENTS_DIR,
     UNKNOWN_PARENT,
-    encode_records,
-    segment_name,
+    ManifestIO,
+    SegmentWriter,
+    UsageTable,
+    load_usage,
 )
-from s3kv.manifest_usage import UsageTable
 from s3kv.ops.scope import Fingerprint
+from s3kv.storage import Backend
 
 __all__ = [
     "PinOutcome",
@@ -261,12 +260,10 @@ def _write_segment(
     rows: list[tuple[bytes, bytes, float, int, int, int]],
     now: float,
 ) -> None:
-    """PUT one segment holding ``rows`` (a name no other writer can take: random instance)."""
-    records = np.array(rows, dtype=RECORD_DTYPE)
-    name = segment_name(round(now * 1000), f"s3kv-cli-{secrets.token_hex(4)}", 0)
-    ManifestIO(backend, prefix, fingerprint).put(
-        SEGMENTS_DIR + name, encode_records(records), if_absent=True
-    )
+    """PUT one segment holding ``rows``, named for a random writer ``s3kv-cli-<hex>``."""
+    io = ManifestIO(backend, prefix, fingerprint)
+    writer = SegmentWriter(io, f"s3kv-cli-{secrets.token_hex(4)}", clock=lambda: now)
+    writer.write(np.array(rows, dtype=RECORD_DTYPE))
 
 
 @dataclass(frozen=True)

@@ -3,7 +3,7 @@
 Decision, for each object under a fingerprint's ``blocks/`` (:func:`plan_prune`):
 
 * **last use** is the later of the manifest's last use (the latest write or hit record, as
-  :func:`~s3kv.manifest_compact.load_usage` folds them) and the object's ``LastModified``.
+  :func:`~s3kv.manifest.load_usage` folds them) and the object's ``LastModified``.
   ``LastModified`` covers objects the manifest does not know yet (a segment not flushed,
   or lost) and objects re-written since, so a block written moments ago is never deleted.
 * kept if its last use is within the window (``now - older_than`` or later);
@@ -20,7 +20,7 @@ gone (a wasted GET each for engines, never wrong data), and the next run drops t
 same heals objects removed by the bucket's lifecycle rule.
 
 Execution (:func:`execute_prune`), per fingerprint: DeleteObjects in batches (at most
-:data:`~s3kv.backend.DELETE_BATCH` keys each), then one compaction with
+:data:`~s3kv.storage.DELETE_BATCH` keys each), then one compaction with
 ``drop_keys = deleted + forgotten`` so engines stop advertising them after their next
 manifest refresh. A batch that fails as a whole stops the run (the bucket is unhealthy);
 keys the server refuses one by one are counted as failed and stay in the manifest.
@@ -34,14 +34,12 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field, replace
 
-from s3kv.backend import DELETE_BATCH, Backend
 from s3kv.errors import CodecError, StorageError
 from s3kv.keys import BlockHash
-from s3kv.manifest_compact import compact, load_usage
-from s3kv.manifest_format import UNKNOWN_PARENT
-from s3kv.manifest_usage import UsageTable
+from s3kv.manifest import UNKNOWN_PARENT, UsageTable, compact, load_usage
 from s3kv.ops import ProgressFn, no_progress
 from s3kv.ops.scope import BlockObject, Fingerprint, list_blocks
+from s3kv.storage import DELETE_BATCH, Backend
 
 __all__ = ["FingerprintOutcome", "FingerprintPlan", "PrunePlan", "PruneReport", "Tally",
            "execute_prune", "plan_prune"]  # fmt: skip

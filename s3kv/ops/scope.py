@@ -21,7 +21,6 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from s3kv.backend import Backend
 from s3kv.errors import ConfigError
 from s3kv.keys import (
     BlockHash,
@@ -29,6 +28,7 @@ from s3kv.keys import (
     identity_object_key,
     parse_block_object_key,
 )
+from s3kv.storage import Backend
 
 __all__ = [
     "BlockObject",
@@ -122,36 +122,14 @@ def list_blocks(backend: Backend, prefix: str, fingerprint: str) -> Iterator[Blo
 def list_fingerprints(backend: Backend, prefix: str) -> list[str]:
     """The fingerprints that have any object under ``prefix``, sorted.
 
-    On S3 this is a delimiter listing (one request per 1000 fingerprints); other backends
-    are listed in full.
+    One :meth:`~s3kv.storage.Backend.list_dirs` (on S3 a delimiter listing: one request
+    per 1000 fingerprints).
 
     Raises:
         StorageError: a listing request failed.
     """
     base = prefix.strip("/") + "/" if prefix.strip("/") else ""
-    names = _delimited_names(backend, base)
-    if names is None:
-        names = {info.key[len(base) :].split("/", 1)[0] for info in backend.list(base)}
-    return sorted(name for name in names if _FINGERPRINT_RE.fullmatch(name))
-
-
-def _delimited_names(backend: Backend, base: str) -> set[str] | None:
-    """First path components under ``base`` via a delimiter listing; ``None`` if not S3."""
-    from s3kv.backend_s3 import FOREIGN_ERRORS, S3Backend, translate_error
-
-    if not isinstance(backend, S3Backend):
-        return None
-    pages = backend.client.get_paginator("list_objects_v2").paginate(
-        Bucket=backend.bucket, Prefix=base, Delimiter="/"
-    )
-    names: set[str] = set()
-    try:
-        for page in pages:
-            for common in page.get("CommonPrefixes", []):
-                names.add(str(common.get("Prefix", ""))[len(base) :].rstrip("/"))
-    except FOREIGN_ERRORS as exc:
-        raise translate_error(exc, op="list", key=None, bucket=backend.bucket) from exc
-    return names
+    return sorted(name for name in backend.list_dirs(base) if _FINGERPRINT_RE.fullmatch(name))
 
 
 def read_identity(backend: Backend, prefix: str, fingerprint: str) -> dict[str, Any] | None:

@@ -31,13 +31,11 @@ from typing import Any
 
 import numpy as np
 
-from s3kv.backend import Backend
 from s3kv.errors import CodecError, ConfigError
-from s3kv.manifest_compact import load_usage
-from s3kv.manifest_format import USAGE_DTYPE
-from s3kv.manifest_usage import UsageTable
+from s3kv.manifest import USAGE_DTYPE, UsageTable, load_usage
 from s3kv.ops import ProgressFn, no_progress
 from s3kv.ops.scope import BlockObject, Fingerprint, list_blocks
+from s3kv.storage import Backend
 
 if sys.version_info >= (3, 11):
     import tomllib

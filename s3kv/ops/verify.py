@@ -28,7 +28,6 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from s3kv import codec
-from s3kv.backend import Backend
 from s3kv.errors import (
     BadMagicError,
     CodecError,
@@ -37,9 +36,10 @@ from s3kv.errors import (
     UnsupportedVersionError,
 )
 from s3kv.keys import BlockHash, parse_block_object_key
-from s3kv.manifest_compact import compact
+from s3kv.manifest import compact
 from s3kv.ops import ProgressFn, no_progress
 from s3kv.ops.scope import BlockObject, Fingerprint, list_blocks
+from s3kv.storage import Backend
 
 __all__ = ["Finding", "VerifyReport", "verify_objects"]
 

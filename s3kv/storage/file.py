@@ -14,8 +14,17 @@ import tempfile
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
-from s3kv.backend import Backend, Capabilities, DeleteResult, ObjectInfo
 from s3kv.errors import BucketNotFoundError, ConfigError, StorageError
+from s3kv.storage.base import Backend, Capabilities, DeleteResult, ObjectInfo
+
+__all__ = ["FileBackend", "is_file_url"]
+
+_TMP_PREFIX = ".s3kv-tmp-"
+
+
+def is_file_url(url: str | None) -> bool:
+    """Whether ``url`` (an ``endpoint_url``) names a directory rather than an S3 server."""
+    return (url or "").startswith("file://")
 
 
 def _translate(exc: OSError, op: str, key: str) -> StorageError:
@@ -40,7 +49,7 @@ class FileBackend(Backend):
         Raises:
             ConfigError: not a ``file://`` URL with an absolute path.
         """
-        if not url.startswith("file://") or not url[len("file://") :].startswith("/"):
+        if not is_file_url(url) or not url[len("file://") :].startswith("/"):
             raise ConfigError(f"endpoint_url: expected file:///absolute/path, got {url!r}")
         return cls(url[len("file://") :])
 
@@ -78,7 +87,7 @@ class FileBackend(Backend):
         path = self._path(key)
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
-            fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".s3kv-tmp-")
+            fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=_TMP_PREFIX)
             try:
                 with os.fdopen(fd, "wb") as fh:
                     fh.write(data)
@@ -128,10 +137,33 @@ class FileBackend(Backend):
             base = "" if rel == "." else rel.replace(os.sep, "/") + "/"
             for name in filenames:
                 key = base + name
-                if name.startswith(".s3kv-tmp-") or not key.startswith(prefix):
+                if name.startswith(_TMP_PREFIX) or not key.startswith(prefix):
                     continue
                 if start_after is not None and key <= start_after:
                     continue
                 stat = os.stat(os.path.join(dirpath, name))
                 found.append(ObjectInfo(key, stat.st_size, stat.st_mtime))
         yield from sorted(found, key=lambda info: info.key)
+
+    def list_dirs(self, prefix: str) -> Iterator[str]:
+        if prefix and not prefix.endswith("/"):
+            yield from super().list_dirs(prefix)
+            return
+        if not self.root.is_dir():
+            raise BucketNotFoundError(f"directory {self.root} does not exist")
+        base = self._path(prefix[:-1]) if prefix else self.root
+        try:
+            names = sorted(entry.name for entry in os.scandir(base) if entry.is_dir())
+        except (FileNotFoundError, NotADirectoryError):
+            return
+        except OSError as exc:
+            raise _translate(exc, "list", prefix) from exc
+        # NOTE: deleting objects leaves their directories behind; S3 has no empty
+        # "directories", so only names with an object below them count.
+        yield from (name for name in names if _holds_object(base / name))
+
+
+def _holds_object(directory: Path) -> bool:
+    return any(
+        not name.startswith(_TMP_PREFIX) for _, _, files in os.walk(directory) for name in files
+    )

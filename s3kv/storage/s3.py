@@ -1,9 +1,11 @@
-"""The S3 backend: the only module that imports boto3/botocore.
+"""The S3 backend: the only module in s3kv that imports boto3/botocore.
 
-:class:`S3Backend` implements :class:`~s3kv.backend.Backend` over one boto3 client, for AWS S3
+:class:`S3Backend` implements :class:`~s3kv.storage.Backend` over one boto3 client, for AWS S3
 and S3-compatible servers (MinIO, SeaweedFS, Ceph RGW). :func:`translate_error` is the one
 place where foreign exceptions (botocore, urllib3, OS errors) become the
 :class:`~s3kv.errors.StorageError` tree; every boto3 call in this module goes through it.
+:func:`whoami` reports where boto3's credential chain finds credentials (for ``s3kv doctor``).
+Callers reach all of this through :mod:`s3kv.storage`, which imports this module lazily.
 
 Client settings, and why:
 
@@ -44,7 +46,6 @@ import botocore.exceptions as bce
 import urllib3.exceptions
 from botocore.config import Config
 
-from s3kv.backend import DELETE_BATCH, Backend, Capabilities, DeleteResult, ObjectInfo
 from s3kv.config import S3KVConfig
 from s3kv.errors import (
     AccessDeniedError,
@@ -54,6 +55,14 @@ from s3kv.errors import (
     PreconditionFailedError,
     StorageError,
     ThrottledError,
+)
+from s3kv.storage.base import (
+    DELETE_BATCH,
+    Backend,
+    Capabilities,
+    Credentials,
+    DeleteResult,
+    ObjectInfo,
 )
 
 if TYPE_CHECKING:
@@ -334,7 +343,7 @@ def make_client(
 
 
 class S3Backend(Backend):
-    """A :class:`~s3kv.backend.Backend` over one S3 bucket.
+    """A :class:`~s3kv.storage.Backend` over one S3 bucket.
 
     Keys are full object keys (the caller includes the prefix). Thread-safe: boto3 clients
     are, and this class keeps no mutable state after construction.
@@ -486,6 +495,23 @@ class S3Backend(Backend):
         except FOREIGN_ERRORS as exc:
             raise self._error(exc, "list", None) from exc
 
+    def list_dirs(self, prefix: str) -> Iterator[str]:
+        if prefix and not prefix.endswith("/"):
+            yield from super().list_dirs(prefix)
+            return
+        pages = self._client.get_paginator("list_objects_v2").paginate(
+            Bucket=self._bucket, Prefix=prefix, Delimiter="/"
+        )
+        try:
+            for page in pages:
+                for common in page.get("CommonPrefixes", []):
+                    yield str(common.get("Prefix", ""))[len(prefix) :].rstrip("/")
+        except FOREIGN_ERRORS as exc:
+            raise self._error(exc, "list", None) from exc
+
+    def probe_conditional_put(self, prefix: str) -> bool:
+        return probe_conditional_put(self._client, self._bucket, prefix)
+
     def check(self) -> None:
         try:
             self._client.head_bucket(Bucket=self._bucket)
@@ -544,6 +570,26 @@ def probe_conditional_put(client: S3Client, bucket: str, prefix: str) -> bool:
             _delete_quietly(client, bucket, key)
 
 
+def whoami(cfg: S3KVConfig) -> Credentials | None:
+    """Where boto3's chain finds credentials for ``cfg.profile``; ``None`` if it finds none.
+
+    The access key id is masked to its last four characters; the secret is never read out.
+
+    Raises:
+        AccessDeniedError: the profile does not exist or its configuration is unusable.
+        StorageError: another failure of the credential chain.
+    """
+    try:
+        creds = boto3.session.Session(profile_name=cfg.profile).get_credentials()
+        key_id = "" if creds is None else str(getattr(creds, "access_key", "") or "")
+    except FOREIGN_ERRORS as exc:
+        raise translate_error(exc, op="credentials", key=None, bucket=cfg.bucket) from exc
+    if creds is None:
+        return None
+    masked = "*" * max(0, len(key_id) - 4) + key_id[-4:]
+    return Credentials(source=str(creds.method), access_key_id=masked)
+
+
 def _delete_quietly(client: S3Client, bucket: str, key: str) -> None:
     try:
         client.delete_object(Bucket=bucket, Key=key)
@@ -553,4 +599,4 @@ def _delete_quietly(client: S3Client, bucket: str, key: str) -> None:
 
 
 __all__ = ["FOREIGN_ERRORS", "S3Backend", "ensure_bucket", "make_client",
-           "probe_conditional_put", "translate_error"]  # fmt: skip
+           "probe_conditional_put", "translate_error", "whoami"]  # fmt: skip

@@ -5,10 +5,12 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Iterator
 from typing import TypeVar
 
-from s3kv.backend import DELETE_BATCH, Backend, DelegatingBackend, DeleteResult, ObjectInfo
-from s3kv.breaker import NEUTRAL_KINDS, CircuitBreaker
 from s3kv.errors import StorageError
 from s3kv.metrics import Metrics
+from s3kv.storage.base import DELETE_BATCH, Backend, DelegatingBackend, DeleteResult, ObjectInfo
+from s3kv.storage.breaker import NEUTRAL_KINDS, CircuitBreaker
+
+__all__ = ["InstrumentedBackend"]
 
 T = TypeVar("T")
 
@@ -16,10 +18,10 @@ T = TypeVar("T")
 class InstrumentedBackend(DelegatingBackend):
     """Delegates to ``inner``; counts ``requests{op}``, ``request_errors{op,kind}`` and bytes.
 
-    A ``list`` counts one request per page of 1000 keys (as S3 bills it); ``delete_many`` one
-    per batch. With a ``breaker``, every request first asks it for admission (raising
-    :class:`~s3kv.breaker.CircuitOpenError` while open, without touching the network) and
-    reports its outcome to it.
+    A ``list`` or ``list_dirs`` counts one request per page of 1000 names (as S3 bills it);
+    ``delete_many`` one per batch. With a ``breaker``, every request first asks it for
+    admission (raising :class:`~s3kv.storage.breaker.CircuitOpenError` while open, without
+    touching the network) and reports its outcome to it.
     """
 
     def __init__(
@@ -77,22 +79,29 @@ class InstrumentedBackend(DelegatingBackend):
         return self._call("delete", lambda: self.inner.delete_many(key_list), batches)
 
     def list(self, prefix: str, *, start_after: str | None = None) -> Iterator[ObjectInfo]:
-        # NOTE: streamed, so listing a huge prefix holds one page at a time; one request is
-        # counted per page of 1000 keys, and the outcome reaches the breaker at the end.
+        # NOTE: streamed, so listing a huge prefix holds one page at a time.
+        return self._paged("list", lambda: self.inner.list(prefix, start_after=start_after))
+
+    def list_dirs(self, prefix: str) -> Iterator[str]:
+        return self._paged("list", lambda: self.inner.list_dirs(prefix))
+
+    def _paged(self, op: str, items: Callable[[], Iterator[T]]) -> Iterator[T]:
+        # NOTE: one request is counted per page of 1000 items (as S3 bills a listing), and
+        # the outcome reaches the breaker at the end.
         if self.breaker is not None:
             try:
                 self.breaker.before_request()
             except StorageError as exc:
-                self._failed("list", exc)
+                self._failed(op, exc)
                 raise
-        self.metrics.inc("requests", op="list")
+        self.metrics.inc("requests", op=op)
         try:
-            for n, info in enumerate(self.inner.list(prefix, start_after=start_after), 1):
+            for n, item in enumerate(items(), 1):
                 if n % DELETE_BATCH == 0:
-                    self.metrics.inc("requests", op="list")
-                yield info
+                    self.metrics.inc("requests", op=op)
+                yield item
         except StorageError as exc:
-            self._failed("list", exc)
+            self._failed(op, exc)
             raise
         if self.breaker is not None:
             self.breaker.record_success()

@@ -1,13 +1,14 @@
-"""The in-bucket manifest of one model fingerprint: which block keys exist, and their usage.
+"""The live manifest of one model fingerprint: which block keys exist, and their usage.
 
 Listing a bucket of millions of objects takes thousands of requests, so every instance
 keeps a Bloom filter of the keys in its fingerprint, built from objects under
-``<prefix>/<fp>/manifest/`` (formats in :mod:`s3kv.manifest_format`):
+``<prefix>/<fp>/manifest/`` (formats in :mod:`s3kv.manifest.format`):
 
 * **Segments** — immutable batches of records (write, hit, pin, unpin) that each instance
   appends in the background (:meth:`Manifest.flush`).
 * **Snapshot** — a generation of ``bloom.bin`` (every live key) and ``usage.bin`` (one row
-  per live key), written by :func:`compact`, and the ``CURRENT`` pointer written last.
+  per live key), written by :func:`~s3kv.manifest.compact`, and the ``CURRENT`` pointer
+  written last.
 
 Startup (:meth:`Manifest.open`) costs a constant number of requests whatever the key
 count: GET ``CURRENT``, GET ``bloom.bin``, one LIST page per 1000 recent segment names,
@@ -36,27 +37,24 @@ from collections import Counter
 from collections.abc import Callable, Sequence
 from typing import Final
 
-from s3kv.backend import Backend
-from s3kv.bloom import BloomFilter
-from s3kv.errors import CodecError, ConfigError, PreconditionFailedError, StorageError
+from s3kv._logonce import LogOnce
+from s3kv.errors import CodecError, ConfigError, StorageError
 from s3kv.keys import HASH_BYTES, BlockHash
-from s3kv.manifest_compact import CompactionReport, ManifestIO, compact, load_usage
-from s3kv.manifest_format import (
+from s3kv.manifest.bloom import BloomFilter
+from s3kv.manifest.format import (
     KIND_PIN,
     KIND_UNPIN,
     KIND_WRITE,
-    SEGMENTS_DIR,
     UNKNOWN_PARENT,
     Current,
-    encode_records,
-    segment_name,
     segment_time_ms,
     valid_instance_id,
 )
-from s3kv.manifest_queue import RecordQueue
-from s3kv.manifest_usage import UsageRow, UsageTable
+from s3kv.manifest.io import ManifestIO, SegmentWriter
+from s3kv.manifest.queue import RecordQueue
+from s3kv.storage import Backend
 
-__all__ = ["CompactionReport", "Manifest", "UsageRow", "UsageTable", "compact", "load_usage"]
+__all__ = ["Manifest"]
 
 logger = logging.getLogger(__name__)
 
@@ -64,7 +62,6 @@ logger = logging.getLogger(__name__)
 _DEFAULT_FLUSH_KEYS: Final = 4096
 #: Pending records are bounded to this many flushes' worth.
 _PENDING_FACTOR: Final = 8
-_NAME_ATTEMPTS: Final = 5
 #: Generation marker: CURRENT could not be read yet (retry on the next refresh).
 _UNKNOWN_GEN: Final = -2
 #: Generation marker: CURRENT exists but is corrupt (reload only when it changes).
@@ -115,6 +112,7 @@ class Manifest:
             raise ConfigError(f"grace_s: must be >= 0, got {grace_s}")
         self.instance_id = instance
         self._io = ManifestIO(backend, prefix, fingerprint)
+        self._writer = SegmentWriter(self._io, instance, clock)
         self._capacity, self._fpr = capacity, fpr
         self._clock = clock
         self._grace_ms = round(grace_s * 1000)
@@ -129,10 +127,9 @@ class Manifest:
         self._queue = RecordQueue(_PENDING_FACTOR * _DEFAULT_FLUSH_KEYS)
         self._inflight: list[bytes] = []  # write keys of the flush in progress
         self._flush_keys = _DEFAULT_FLUSH_KEYS
-        self._seq = 0
         self._flush_failing = False
         self._counters: Counter[str] = Counter()
-        self._logged: set[str] = set()
+        self._log_once = LogOnce(logger)
         self._open_requests = 0
         self._stop = threading.Event()
         self._wake = threading.Event()
@@ -275,9 +272,8 @@ class Manifest:
             if not len(taken):
                 return 0
             rows = taken.to_array()
-            blob = encode_records(rows)
             try:
-                name = self._put_segment(blob)
+                name = self._writer.write(rows)
             except StorageError as exc:
                 with self._lock:
                     self._queue.put_back(taken)
@@ -293,17 +289,8 @@ class Manifest:
                 self._flush_failing = False
                 self._counters["segments_written"] += 1
                 self._counters["records_flushed"] += len(rows)
-            self._rearm_log("flush:")
+            self._log_once.rearm("flush:")
             return len(rows)
-
-    def _put_segment(self, blob: bytes) -> str:
-        for _ in range(_NAME_ATTEMPTS):
-            with self._lock:
-                seq, self._seq = self._seq, self._seq + 1
-            name = segment_name(round(self._clock() * 1000), self.instance_id, seq)
-            if self._io.put(SEGMENTS_DIR + name, blob, if_absent=True):
-                return name
-        raise PreconditionFailedError("segment names taken: is instance_id shared?")
 
     # --- refresh --------------------------------------------------------------------------
 
@@ -333,7 +320,7 @@ class Manifest:
                 return 0
             with self._lock:
                 self._counters["refreshes"] += 1
-            self._rearm_log("refresh:")
+            self._log_once.rearm("refresh:")
             return added
 
     def _fetch_current(self) -> tuple[Current | None, int]:
@@ -432,17 +419,6 @@ class Manifest:
         time_ms = segment_time_ms(name) or 0
         self._seen[name] = time_ms
         self._high_ms = max(self._high_ms, time_ms)
-
-    def _log_once(self, kind: str, message: str, *args: object) -> None:
-        """Log at WARNING the first time ``kind`` fails, at DEBUG until it succeeds again."""
-        with self._lock:
-            first = kind not in self._logged
-            self._logged.add(kind)
-        logger.log(logging.WARNING if first else logging.DEBUG, message, *args)
-
-    def _rearm_log(self, prefix: str) -> None:
-        with self._lock:
-            self._logged = {kind for kind in self._logged if not kind.startswith(prefix)}
 
     # --- background thread ----------------------------------------------------------------
 

@@ -1,4 +1,4 @@
-"""The storage interface every backend implements, and the in-memory backend.
+"""The storage interface every backend implements, and its value types.
 
 The interface is deliberately narrow (after zarr's ``Store``):
 
@@ -9,18 +9,29 @@ The interface is deliberately narrow (after zarr's ``Store``):
   PUT (harmless: objects are content-addressed, so an overwrite writes the same bytes).
 * ``delete_many`` works in batches of at most :data:`DELETE_BATCH` keys and reports failures
   per key instead of raising for them.
-* Capabilities are declared, not probed by callers.
+* ``list_dirs`` answers "which names sit directly below this prefix" in one cheap listing
+  (S3's delimiter listing) where the backend can; the default reads the whole prefix.
+* Capabilities are declared, not probed by callers; :meth:`Backend.probe_conditional_put` is
+  for diagnosis (``s3kv doctor``), asking the server itself where its answer can change.
 
 Backends are thread-safe: the store calls them from its I/O pool.
 """
 
 from __future__ import annotations
 
-import threading
-import time
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
+
+__all__ = [
+    "DELETE_BATCH",
+    "Backend",
+    "Capabilities",
+    "Credentials",
+    "DelegatingBackend",
+    "DeleteResult",
+    "ObjectInfo",
+]
 
 #: DeleteObjects accepts at most this many keys per request.
 DELETE_BATCH = 1000
@@ -65,6 +76,22 @@ class DeleteResult:
 
     deleted: list[str] = field(default_factory=list)
     failed: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Credentials:
+    """Which credentials a backend would use; never the secret.
+
+    Attributes:
+        source: Where they come from (boto3's provider: ``env``, ``shared-credentials-file``,
+            ``sso``, ``iam-role``...), or why none are needed.
+        access_key_id: Masked to its last four characters; empty where none are needed.
+        required: Whether the backend authenticates at all (a ``file://`` directory does not).
+    """
+
+    source: str
+    access_key_id: str
+    required: bool = True
 
 
 class Backend(ABC):
@@ -128,6 +155,38 @@ class Backend(ABC):
             StorageError: a listing request failed.
         """
 
+    def list_dirs(self, prefix: str) -> Iterator[str]:
+        """Names ``d`` such that some key starts with ``prefix + d + "/"``, sorted, each once.
+
+        S3's ``CommonPrefixes`` of a ``Delimiter="/"`` listing, without the prefix and the
+        trailing ``/``. This default lists every key under ``prefix``; backends override it
+        with a cheaper listing (S3: one request per 1000 names).
+
+        Args:
+            prefix: ``""`` (the bucket root) or a key prefix ending in ``/``.
+
+        Raises:
+            StorageError: a listing request failed.
+        """
+        names = {
+            rest.split("/", 1)[0]
+            for rest in (info.key[len(prefix) :] for info in self.list(prefix))
+            if "/" in rest
+        }
+        yield from sorted(names)
+
+    def probe_conditional_put(self, prefix: str) -> bool:
+        """Whether the server really honours ``put(if_absent=True)``, for diagnosis.
+
+        Backends whose answer is fixed return :attr:`Capabilities.conditional_put`; the S3
+        backend asks the server, with scratch objects under ``<prefix>/.s3kv-probe/`` that it
+        deletes again.
+
+        Raises:
+            StorageError: the probe failed for a reason other than lack of support.
+        """
+        return self.capabilities.conditional_put
+
     def check(self) -> None:  # noqa: B027 - optional hook with a no-op default
         """Verify the bucket exists and the credentials work; raise a clear error if not.
 
@@ -137,66 +196,6 @@ class Backend(ABC):
 
     def close(self) -> None:  # noqa: B027 - optional hook with a no-op default
         """Release connections. Further calls are undefined."""
-
-
-class MemoryBackend(Backend):
-    """A thread-safe in-process backend for unit tests and the CPU demo.
-
-    Args:
-        clock: Returns seconds since the epoch; injectable so tests control ``last_modified``.
-        conditional_put: Whether to declare (and honour) atomic create-if-absent.
-    """
-
-    def __init__(
-        self, *, clock: Callable[[], float] = time.time, conditional_put: bool = True
-    ) -> None:
-        self._objects: dict[str, tuple[bytes, float]] = {}
-        self._lock = threading.Lock()
-        self._clock = clock
-        self._caps = Capabilities(conditional_put=conditional_put, remote=False)
-
-    @property
-    def capabilities(self) -> Capabilities:
-        return self._caps
-
-    @property
-    def description(self) -> str:
-        return "memory"
-
-    def get(self, key: str) -> bytes | None:
-        with self._lock:
-            entry = self._objects.get(key)
-        return None if entry is None else entry[0]
-
-    def put(self, key: str, data: bytes | memoryview, *, if_absent: bool = False) -> bool:
-        payload = bytes(data)
-        with self._lock:
-            if if_absent and self._caps.conditional_put and key in self._objects:
-                return False
-            self._objects[key] = (payload, self._clock())
-        return True
-
-    def head(self, key: str) -> ObjectInfo | None:
-        with self._lock:
-            entry = self._objects.get(key)
-        return None if entry is None else ObjectInfo(key, len(entry[0]), entry[1])
-
-    def delete_many(self, keys: Iterable[str]) -> DeleteResult:
-        result = DeleteResult()
-        with self._lock:
-            for key in keys:
-                self._objects.pop(key, None)
-                result.deleted.append(key)
-        return result
-
-    def list(self, prefix: str, *, start_after: str | None = None) -> Iterator[ObjectInfo]:
-        with self._lock:
-            items = sorted(
-                (k, len(v[0]), v[1]) for k, v in self._objects.items() if k.startswith(prefix)
-            )
-        for key, size, modified in items:
-            if start_after is None or key > start_after:
-                yield ObjectInfo(key, size, modified)
 
 
 class DelegatingBackend(Backend):
@@ -227,6 +226,12 @@ class DelegatingBackend(Backend):
 
     def list(self, prefix: str, *, start_after: str | None = None) -> Iterator[ObjectInfo]:
         return self.inner.list(prefix, start_after=start_after)
+
+    def list_dirs(self, prefix: str) -> Iterator[str]:
+        return self.inner.list_dirs(prefix)
+
+    def probe_conditional_put(self, prefix: str) -> bool:
+        return self.inner.probe_conditional_put(prefix)
 
     def check(self) -> None:
         self.inner.check()

@@ -15,7 +15,7 @@ from collections.abc import Iterable
 
 import numpy as np
 
-from s3kv.manifest_format import KIND_HIT, KIND_WRITE, RECORD_DTYPE, UNKNOWN_PARENT, Records
+from s3kv.manifest.format import KIND_HIT, KIND_WRITE, RECORD_DTYPE, UNKNOWN_PARENT, Records
 
 __all__ = ["Record", "RecordQueue"]
 

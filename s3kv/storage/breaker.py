@@ -20,6 +20,8 @@ from collections.abc import Callable
 
 from s3kv.errors import StorageError
 
+__all__ = ["NEUTRAL_KINDS", "BreakerState", "CircuitBreaker", "CircuitOpenError"]
+
 logger = logging.getLogger(__name__)
 
 

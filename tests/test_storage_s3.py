@@ -19,8 +19,6 @@ import urllib3.exceptions
 from botocore.stub import Stubber
 from conftest import s3_config, unique_bucket
 
-from s3kv.backend import DELETE_BATCH
-from s3kv.backend_s3 import S3Backend, make_client, probe_conditional_put, translate_error
 from s3kv.config import S3KVConfig
 from s3kv.errors import (
     AccessDeniedError,
@@ -32,6 +30,13 @@ from s3kv.errors import (
     ThrottledError,
 )
 from s3kv.local_s3 import LocalS3, free_port
+from s3kv.storage import (
+    DELETE_BATCH,
+    S3Backend,
+    make_client,
+    probe_conditional_put,
+    translate_error,
+)
 
 # ----------------------------------------------------------------------------------------
 # helpers
@@ -128,7 +133,7 @@ class TestClientSettings:
 
     def test_import_s3kv_does_not_import_boto3(self) -> None:
         code = (
-            "import sys, s3kv, s3kv.backend, s3kv.local_s3; "
+            "import sys, s3kv, s3kv.storage, s3kv.local_s3; "
             "bad = [m for m in ('boto3', 'botocore') if m in sys.modules]; "
             "sys.exit(f'imported {bad}' if bad else 0)"
         )

@@ -1,10 +1,9 @@
-"""Reading the manifest layout, compaction and usage loading (the offline side of the manifest).
+"""Compaction: fold every segment into a new snapshot generation (the offline side).
 
-:class:`ManifestIO` is the one place that issues manifest requests, and counts them.
-:func:`compact` folds segments into a new snapshot generation; :func:`load_usage` folds the
-current snapshot and the segments newer than it in memory. Both are used by the CLI
-(``s3kv compact``/``prune``) and warm start; :class:`s3kv.manifest.Manifest` uses the
-readers for its startup and refresh.
+:func:`compact` reads ``CURRENT``, its usage table and every segment not yet folded, folds
+them (:func:`s3kv.manifest.usage.fold`), writes generation N+1 (``bloom.bin``, ``usage.bin``,
+then ``CURRENT``) and deletes what it supersedes. The operator commands call it (``s3kv
+compact``, ``prune``, ``verify``, through :mod:`s3kv.ops`); engines never compact.
 
 Concurrent compactors: each writes its snapshot objects with conditional PUTs under a new
 generation number and re-reads ``CURRENT`` just before replacing it, so where the server
@@ -19,135 +18,33 @@ ever decides what to try to GET or skip re-writing, and every GET is verified.
 from __future__ import annotations
 
 import logging
-import threading
 import time
-from collections.abc import Callable, Collection, Iterable, Iterator
+from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass
 
 import numpy as np
 
-from s3kv.backend import DELETE_BATCH, Backend
-from s3kv.bloom import BloomFilter
 from s3kv.errors import CodecError, StorageError
-from s3kv.keys import manifest_prefix
-from s3kv.manifest_format import (
+from s3kv.manifest.bloom import BloomFilter
+from s3kv.manifest.format import (
     CURRENT_NAME,
-    RECORD_DTYPE,
     SEGMENTS_DIR,
     SNAPSHOTS_DIR,
     USAGE_DTYPE,
     Current,
     Records,
-    decode_records,
-    decode_usage,
     encode_usage,
     segment_time_ms,
-    segments_start_after,
     snapshot_generation,
     snapshot_paths,
 )
-from s3kv.manifest_usage import UsageTable, fold, remove_keys
+from s3kv.manifest.io import ManifestIO, read_segments
+from s3kv.manifest.usage import fold, remove_keys
+from s3kv.storage import Backend
 
-__all__ = ["CompactionReport", "ManifestIO", "compact", "load_usage"]
+__all__ = ["CompactionReport", "compact"]
 
 logger = logging.getLogger(__name__)
-
-_LIST_PAGE = 1000
-
-
-class ManifestIO:
-    """Counted access to one fingerprint's manifest objects.
-
-    Every method may raise :class:`~s3kv.errors.StorageError` from the backend; decoding
-    methods also raise :class:`~s3kv.errors.CodecError`.
-
-    Args:
-        backend: The bucket.
-        prefix: The configured key prefix.
-        fingerprint: The model fingerprint.
-    """
-
-    def __init__(self, backend: Backend, prefix: str, fingerprint: str) -> None:
-        self.backend = backend
-        self.root = manifest_prefix(prefix, fingerprint)
-        self._requests = 0
-        self._lock = threading.Lock()
-
-    @property
-    def requests(self) -> int:
-        """Requests issued so far (a listing counts one per page of 1000 keys)."""
-        return self._requests
-
-    def _count(self, n: int = 1) -> None:
-        with self._lock:
-            self._requests += n
-
-    def get(self, path: str) -> bytes | None:
-        """The object at ``path`` (relative to the manifest prefix), or ``None``."""
-        self._count()
-        return self.backend.get(self.root + path)
-
-    def put(self, path: str, data: bytes, *, if_absent: bool = False) -> bool:
-        """PUT ``data`` at ``path``; ``False`` only when ``if_absent`` found it present."""
-        self._count()
-        return self.backend.put(self.root + path, data, if_absent=if_absent)
-
-    def delete(self, paths: Collection[str]) -> int:
-        """Delete ``paths``; returns how many the server reported deleted."""
-        if not paths:
-            return 0
-        self._count(-(-len(paths) // DELETE_BATCH))
-        result = self.backend.delete_many([self.root + path for path in paths])
-        for key, reason in list(result.failed.items())[:3]:
-            logger.warning("s3kv manifest: could not delete %s: %s", key, reason)
-        return len(result.deleted)
-
-    def list_dir(self, directory: str, start_after: str | None = None) -> Iterator[tuple[str, int]]:
-        """``(name relative to directory, size)`` of the objects under ``directory``."""
-        base = self.root + directory
-        self._count()
-        after = None if start_after is None else base + start_after
-        for seen, info in enumerate(self.backend.list(base, start_after=after), start=1):
-            if seen % _LIST_PAGE == 0:
-                self._count()
-            yield info.key[len(base) :], info.size
-
-    def read_current(self) -> Current | None:
-        """The ``CURRENT`` pointer, or ``None`` if no compaction ever ran.
-
-        Raises:
-            CodecError: ``CURRENT`` exists but is not a valid pointer.
-        """
-        data = self.get(CURRENT_NAME)
-        return None if data is None else Current.from_json(data)
-
-    def segments(self, cutoff_ms: int, skip: Collection[str] = ()) -> list[tuple[str, int]]:
-        """``(name, time ms)`` of segments created at or after ``cutoff_ms``, minus ``skip``.
-
-        One listing request per 1000 names, starting at the cutoff (never the whole history).
-        """
-        found: list[tuple[str, int]] = []
-        for name, _size in self.list_dir(SEGMENTS_DIR, segments_start_after(cutoff_ms)):
-            time_ms = segment_time_ms(name)
-            if time_ms is not None and name not in skip:
-                found.append((name, time_ms))
-        return found
-
-    def read_segment(self, name: str) -> Records | None:
-        """The verified records of segment ``name``; ``None`` if it is gone (compacted)."""
-        data = self.get(SEGMENTS_DIR + name)
-        return None if data is None else decode_records(data)
-
-    def read_usage(self, current: Current) -> Records:
-        """The usage table of ``current``'s snapshot.
-
-        Raises:
-            CodecError: missing or corrupt.
-        """
-        data = self.get(current.usage)
-        if data is None:
-            raise CodecError(f"usage: {current.usage} is missing (CURRENT is stale?)")
-        return decode_usage(data)
 
 
 @dataclass(frozen=True)
@@ -187,59 +84,6 @@ class CompactionReport:
     over_capacity: bool
     lost_race: bool
     requests: int
-
-
-def _read_segments(
-    io: ManifestIO, names: Iterable[str]
-) -> tuple[list[Records], list[str], list[str]]:
-    """(records, names read, names corrupt); a segment that vanished is neither."""
-    batches: list[Records] = []
-    read: list[str] = []
-    corrupt: list[str] = []
-    for name in names:
-        try:
-            records = io.read_segment(name)
-        except CodecError as exc:
-            logger.warning("s3kv manifest: skipping corrupt segment %s (%s)", name, exc.kind)
-            corrupt.append(name)
-            continue
-        if records is not None:
-            batches.append(records)
-            read.append(name)
-    return batches, read, corrupt
-
-
-def _concat(batches: list[Records]) -> Records:
-    return np.concatenate(batches) if batches else np.zeros(0, RECORD_DTYPE)
-
-
-def load_usage(backend: Backend, prefix: str, fingerprint: str) -> UsageTable:
-    """The current snapshot's usage with the segments newer than it folded in (in memory).
-
-    Corrupt segments are skipped and counted in :attr:`UsageTable.segments_corrupt`.
-
-    Raises:
-        StorageError: the bucket failed.
-        CodecError: ``CURRENT`` or the snapshot's usage table is corrupt or missing.
-    """
-    io = ManifestIO(backend, prefix, fingerprint)
-    current = io.read_current()
-    if current is None:
-        usage, cutoff, skip = np.zeros(0, USAGE_DTYPE), 0, frozenset[str]()
-    else:
-        usage, cutoff, skip = (
-            io.read_usage(current),
-            current.listing_cutoff_ms,
-            frozenset(current.folded),
-        )
-    names = [name for name, _ in io.segments(cutoff, skip)]
-    batches, read, corrupt = _read_segments(io, names)
-    return UsageTable(
-        fold(usage, _concat(batches)),
-        generation=0 if current is None else current.generation,
-        segments_read=len(read),
-        segments_corrupt=len(corrupt),
-    )
 
 
 def compact(
@@ -291,8 +135,7 @@ def compact(
     raw_current, current, usage = _read_base(io, rebuild=listing is not None)
     generation = max([current.generation if current else 0, *snapshots]) + 1
     folded_before, to_fold, deferred = _classify(io, current, now_ms + round(grace_s * 500))
-    batches, read, corrupt = _read_segments(io, to_fold)
-    records = _concat(batches)
+    records, read, corrupt = read_segments(io, to_fold)
     folded_rows = fold(usage, records, listing=listing or ())
     rows = remove_keys(folded_rows, drop_keys)
 

@@ -1,10 +1,10 @@
-"""Folding manifest records into per-key usage, and the queries warm start and the CLI make.
+"""Per-key usage: folding manifest records, loading it, and the queries warm start and ops make.
 
 :func:`fold` is shared by compaction (which persists the result as ``usage.bin``) and by
-:func:`s3kv.manifest.load_usage` (which folds the segments newer than the snapshot in
-memory). It is vectorized: every input becomes a row of one event table, sorted by
-(key, time), and each column is reduced per key with ``ufunc.reduceat``. Folding the usage of
-1M keys takes about a second on one core.
+:func:`load_usage` (which folds the segments newer than the snapshot in memory, for warm
+start and ``s3kv stats``/``prune``/``pins``). It is vectorized: every input becomes a row of
+one event table, sorted by (key, time), and each column is reduced per key with
+``ufunc.reduceat``. Folding the usage of 1M keys takes about a second on one core.
 
 Fold rules, per key:
 
@@ -27,7 +27,7 @@ import numpy as np
 import numpy.typing as npt
 
 from s3kv.keys import ROOT_HASH, BlockHash
-from s3kv.manifest_format import (
+from s3kv.manifest.format import (
     KIND_HIT,
     KIND_PIN,
     KIND_UNPIN,
@@ -36,8 +36,10 @@ from s3kv.manifest_format import (
     USAGE_DTYPE,
     Records,
 )
+from s3kv.manifest.io import ManifestIO, read_segments
+from s3kv.storage import Backend
 
-__all__ = ["UsageRow", "UsageTable", "fold", "remove_keys"]
+__all__ = ["UsageRow", "UsageTable", "fold", "load_usage", "remove_keys"]
 
 _MAX_HITS: Final = 2**32 - 1
 _NO_ROW: Final = -1
@@ -362,3 +364,32 @@ def _chains(
             path.append(parent_idx[path[-1]])
         chains.append([BlockHash(bytes(keys[i])) for i in reversed(path)])
     return chains
+
+
+def load_usage(backend: Backend, prefix: str, fingerprint: str) -> UsageTable:
+    """The current snapshot's usage with the segments newer than it folded in (in memory).
+
+    Corrupt segments are skipped and counted in :attr:`UsageTable.segments_corrupt`.
+
+    Raises:
+        StorageError: the bucket failed.
+        CodecError: ``CURRENT`` or the snapshot's usage table is corrupt or missing.
+    """
+    io = ManifestIO(backend, prefix, fingerprint)
+    current = io.read_current()
+    if current is None:
+        usage, cutoff, skip = np.zeros(0, USAGE_DTYPE), 0, frozenset[str]()
+    else:
+        usage, cutoff, skip = (
+            io.read_usage(current),
+            current.listing_cutoff_ms,
+            frozenset(current.folded),
+        )
+    names = [name for name, _ in io.segments(cutoff, skip)]
+    records, read, corrupt = read_segments(io, names)
+    return UsageTable(
+        fold(usage, records),
+        generation=0 if current is None else current.generation,
+        segments_read=len(read),
+        segments_corrupt=len(corrupt),
+    )
