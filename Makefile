@@ -1,7 +1,7 @@
 # s3kv developer entry points. Everything runs inside .venv, which `make env` creates.
 #   make demo        create the environment, start a local S3 server, run the demo, stop it
 #   make test        create the environment, run the whole suite
-#   make check       ruff + mypy (strict)
+#   make check       ruff + mypy (strict) + the layering and public-surface checks
 #   make bench-quick benchmark figures as JSON lines (< 5 minutes here)
 SHELL := /bin/bash
 PYTHON ?= python3
@@ -34,6 +34,7 @@ check: env
 	$(VENV)/bin/ruff check s3kv tests benchmarks examples
 	$(VENV)/bin/ruff format --check s3kv tests benchmarks examples
 	$(VENV)/bin/mypy
+	$(PY) -m pytest -q -p no:cacheprovider tests/test_architecture.py tests/test_exported_members.py
 
 format: env
 	$(VENV)/bin/ruff format s3kv tests benchmarks examples

@@ -370,3 +370,16 @@ def _validate_field(name: str, value: Any, meta: Mapping[str, Any]) -> None:
         not isinstance(value, int | float) or isinstance(value, bool) or value < 0
     ):
         raise ConfigError(f"{name}: must be a non-negative number, got {value!r}")
+
+
+__all__ = [
+    "AddressingStyle",
+    "CONFIG_FILE_ENV",
+    "CodecName",
+    "ConditionalPut",
+    "ENV_PREFIX",
+    "S3KVConfig",
+    "SavePolicy",
+    "parse_duration",
+    "parse_size",
+]

@@ -385,3 +385,22 @@ def manifest_prefix(prefix: str, fingerprint: str) -> str:
 def identity_object_key(prefix: str, fingerprint: str) -> str:
     """Key of the JSON description of a fingerprint's :class:`ModelIdentity`."""
     return _join(prefix, fingerprint, "identity.json")
+
+
+__all__ = [
+    "BlockHash",
+    "FORMAT_VERSION",
+    "HASH_BYTES",
+    "ModelIdentity",
+    "MultimodalItem",
+    "ROOT_HASH",
+    "UNKNOWN",
+    "block_object_key",
+    "chain_hashes",
+    "fingerprint_prefix",
+    "hash_block",
+    "identity_object_key",
+    "manifest_prefix",
+    "parse_block_object_key",
+    "tokens_to_array",
+]

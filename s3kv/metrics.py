@@ -182,3 +182,10 @@ def serve_prometheus(metrics: Metrics, port: int, addr: str = "0.0.0.0") -> bool
             return False
         _served[port] = metrics
         return True
+
+
+__all__ = [
+    "Metrics",
+    "metric_name",
+    "serve_prometheus",
+]

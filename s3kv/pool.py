@@ -96,3 +96,9 @@ class IOPool:
             task()
         except Exception:  # a task bug must not kill the worker thread
             logger.exception("s3kv: background task failed")
+
+
+__all__ = [
+    "IOPool",
+    "Priority",
+]

@@ -262,3 +262,13 @@ class StagingCache:
     def _update_gauges(self) -> None:
         self._metrics.set("staging_bytes", self._used)
         self._metrics.set("staging_blocks", len(self._entries))
+
+
+__all__ = [
+    "HostAllocator",
+    "HostBuffer",
+    "NumpyAllocator",
+    "StagingCache",
+    "TorchPinnedAllocator",
+    "default_allocator",
+]

@@ -542,3 +542,10 @@ class KVStore:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+__all__ = [
+    "KVStore",
+    "LookupResult",
+    "SaveStatus",
+]

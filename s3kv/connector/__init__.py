@@ -7,3 +7,22 @@ TensorRT-LLM's MPI helpers. The scheduler and worker cores are engine-neutral: t
 :class:`~s3kv.connector.requests.RequestView` s the adapter builds, and the store only
 through its public API (:class:`~s3kv.connector.shared.ShardStores`).
 """
+
+from typing import TYPE_CHECKING
+
+_LAZY = {"S3KVConnectorScheduler", "S3KVConnectorWorker"}
+
+
+def __getattr__(name: str) -> object:
+    # NOTE: lazily, so importing the package does not open the engine's dependencies.
+    if name in _LAZY:
+        from s3kv.connector import trtllm
+
+        return getattr(trtllm, name)
+    raise AttributeError(f"module 's3kv.connector' has no attribute {name!r}")
+
+
+__all__ = ["S3KVConnectorScheduler", "S3KVConnectorWorker"]
+
+if TYPE_CHECKING:
+    from s3kv.connector.trtllm import S3KVConnectorScheduler, S3KVConnectorWorker

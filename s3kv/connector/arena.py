@@ -174,3 +174,8 @@ class SlabArena:
         except BufferError:  # views still exported; the OS unmaps at exit
             logger.debug("s3kv: arena %s still has live views at close", self.path)
         os.close(self._fd)
+
+
+__all__ = [
+    "SlabArena",
+]

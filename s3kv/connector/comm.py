@@ -85,3 +85,12 @@ def get_collectives() -> Collectives:
     if utils is None:
         return SingleProcess()
     return TrtllmMpi(utils)  # pragma: no cover - needs tensorrt_llm
+
+
+__all__ = [
+    "Collectives",
+    "SingleProcess",
+    "TrtllmMpi",
+    "get_collectives",
+    "install_collectives",
+]

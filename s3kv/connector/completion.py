@@ -78,3 +78,8 @@ class CompletionBoard:
     def published(self, rank: int) -> int:
         """What ``rank`` has published."""
         return int(self._cells[rank])
+
+
+__all__ = [
+    "CompletionBoard",
+]

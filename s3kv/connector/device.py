@@ -197,3 +197,17 @@ def copy_engine(kv_cache: Any, stream: Any) -> CopyEngine:
     if isinstance(stream, DeferredStream):
         return DeferredCopyEngine()
     return SyncCopyEngine()
+
+
+__all__ = [
+    "CopyEngine",
+    "CudaCopyEngine",
+    "DONE",
+    "DeferredCopyEngine",
+    "DeferredStream",
+    "LoadPair",
+    "SavePair",
+    "StreamEvent",
+    "SyncCopyEngine",
+    "copy_engine",
+]

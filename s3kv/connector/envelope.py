@@ -120,3 +120,11 @@ def envelope_warnings(llm_args: Any) -> list[str]:
             "a block s3kv must claim nothing; enable_partial_reuse=False gives more hits"
         )
     return warnings
+
+
+__all__ = [
+    "envelope_problems",
+    "envelope_warnings",
+    "kv_quant_algo",
+    "pool_dtype_problem",
+]

@@ -127,3 +127,11 @@ def shard_identity(
         tp_size=tp_size,
         tp_rank=tp_rank,
     )
+
+
+__all__ = [
+    "HASH_LIMIT_BYTES",
+    "kv_dtype_name",
+    "shard_identity",
+    "weights_revision",
+]

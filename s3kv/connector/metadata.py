@@ -64,3 +64,11 @@ class ConnectorMetadata:
 
 
 EMPTY = ConnectorMetadata()
+
+
+__all__ = [
+    "ConnectorMetadata",
+    "EMPTY",
+    "LoadOp",
+    "SaveOp",
+]

@@ -332,3 +332,8 @@ class SchedulerCore:
     def tracked_requests(self) -> int:
         """Requests between their claim and ``request_finished`` (or being forgotten)."""
         return len(self._requests)
+
+
+__all__ = [
+    "SchedulerCore",
+]

@@ -187,3 +187,11 @@ class ShardStores:
         """Unmap the staging arenas (their stores must be closed first)."""
         for arena in self._arenas:
             arena.close()
+
+
+__all__ = [
+    "ProcessState",
+    "ShardInfo",
+    "ShardStores",
+    "process_state",
+]

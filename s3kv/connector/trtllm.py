@@ -439,3 +439,9 @@ def _num_attention_layers(llm_args: Any) -> int | None:
         return None
     layers = data.get("num_hidden_layers")
     return int(layers) if isinstance(layers, int) else None
+
+
+__all__ = [
+    "S3KVConnectorScheduler",
+    "S3KVConnectorWorker",
+]

@@ -88,3 +88,8 @@ class WarmStart:
                 "s3kv: warm start done: %d/%d blocks staged in %.1f s",
                 self.staged, self.planned, time.monotonic() - started,
             )  # fmt: skip
+
+
+__all__ = [
+    "WarmStart",
+]

@@ -317,3 +317,9 @@ def _dtype_name(dtype: Any) -> str:
     from s3kv.connector.identity import kv_dtype_name
 
     return kv_dtype_name(dtype) or "uint8"
+
+
+__all__ = [
+    "SaveBufferPool",
+    "WorkerCore",
+]
