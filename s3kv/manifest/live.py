@@ -10,9 +10,11 @@ keeps a Bloom filter of the keys in its fingerprint, built from objects under
   per live key), written by :func:`~s3kv.manifest.compact`, and the ``CURRENT`` pointer
   written last.
 
-Startup (:meth:`Manifest.open`) costs a constant number of requests whatever the key
-count: GET ``CURRENT``, GET ``bloom.bin``, one LIST page per 1000 recent segment names,
-and a GET per segment not yet folded into the snapshot (so compact regularly).
+Startup (:meth:`Manifest.open`) costs a number of requests independent of the key count
+but not of the manifest's age: GET ``CURRENT``, GET ``bloom.bin``, one LIST page per 1000
+recent segment names, and one GET per segment not yet folded into the snapshot, so it grows
+with the segments written since the last compaction (nothing compacts automatically yet:
+see the fleet-scale manifest issue).
 :meth:`Manifest.refresh` then reads other instances' new segments on a timer, so their
 writes become visible within the refresh interval, and reloads the Bloom filter when a
 compaction published a new generation.
