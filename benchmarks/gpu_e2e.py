@@ -29,7 +29,7 @@ from typing import Any
 
 import numpy as np
 
-from s3kv.emulator.instance import TOKENS_PER_BLOCK, InstanceSpec, run_instance
+from s3kv.testing.emulator.instance import TOKENS_PER_BLOCK, InstanceSpec, run_instance
 
 
 def emit(rows: list[dict[str, Any]], metric: str, value: Any, unit: str, **extra: Any) -> None:

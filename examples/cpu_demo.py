@@ -22,8 +22,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-from s3kv.emulator.instance import TOKENS_PER_BLOCK, InstanceSpec, run_instance
-from s3kv.local_s3 import LocalS3
+from s3kv.testing.emulator.instance import TOKENS_PER_BLOCK, InstanceSpec, run_instance
+from s3kv.testing.local_s3 import LocalS3
 from s3kv.testing import smollm2
 
 SYSTEM_TOKENS = 32 * TOKENS_PER_BLOCK

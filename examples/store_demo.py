@@ -167,7 +167,7 @@ def run_role(role: str, env: dict[str, str]) -> dict[str, Any]:
 
 
 def orchestrate() -> int:
-    from s3kv.local_s3 import LocalS3
+    from s3kv.testing.local_s3 import LocalS3
 
     with tempfile.TemporaryDirectory(prefix="s3kv-demo-") as tmp:
         print("starting a local S3 server (SeaweedFS) ...", flush=True)

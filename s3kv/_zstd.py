@@ -41,8 +41,12 @@ def _load_cffi() -> tuple[Any, Any] | None:
         module: ModuleType = importlib.import_module("zstandard._cffi")
         lib, ffi = module.lib, module.ffi
         # NOTE: probe every symbol used, so a zstandard without them selects the fallback.
-        for name in ("ZSTD_compressSequencesAndLiterals", "ZSTD_c_blockDelimiters",
-                     "ZSTD_sf_explicitBlockDelimiters", "ZSTD_decompressDCtx"):  # fmt: skip
+        for name in (
+            "ZSTD_compressSequencesAndLiterals",
+            "ZSTD_c_blockDelimiters",
+            "ZSTD_sf_explicitBlockDelimiters",
+            "ZSTD_decompressDCtx",
+        ):
             getattr(lib, name)
     except (ImportError, AttributeError):
         return None
@@ -101,9 +105,16 @@ class ThreadZstd:
             self._seqs[nseq].litLength = min(_BLOCK, n - start)
             nseq += 1
         size = lib.ZSTD_compressSequencesAndLiterals(
-            self._cctx, self._dst_ptr, len(self._dst), self._seqs, nseq,
-            self._plane_ptr, n, n + _LITERAL_SLACK, n,
-        )  # fmt: skip
+            self._cctx,
+            self._dst_ptr,
+            len(self._dst),
+            self._seqs,
+            nseq,
+            self._plane_ptr,
+            n,
+            n + _LITERAL_SLACK,
+            n,
+        )
         # An error here means "incompressible block" (the documented limitation): store raw.
         if lib.ZSTD_isError(size) or size >= n:
             return None

@@ -187,9 +187,20 @@ def _assemble(
 ) -> bytes:
     header_len = _MIN_HEADER + 8 * len(shape) + _SECTION.size * len(layout.sections)
     raw_len = math.prod(shape) * dtype.itemsize
-    fixed = _FIXED.pack(MAGIC, FORMAT_VERSION, header_len, codec, dtype.code,
-                        len(shape), layout.planes, layout.chunk_len, raw_len, checksum,
-                        digest, layout.payload_checksum)  # fmt: skip
+    fixed = _FIXED.pack(
+        MAGIC,
+        FORMAT_VERSION,
+        header_len,
+        codec,
+        dtype.code,
+        len(shape),
+        layout.planes,
+        layout.chunk_len,
+        raw_len,
+        checksum,
+        digest,
+        layout.payload_checksum,
+    )
     parts = [
         fixed,
         struct.pack(f"<{len(shape)}Q", *shape),
@@ -284,8 +295,20 @@ def read_header(blob: Bytes) -> Header:
         if size >= 6 and (version := int.from_bytes(view[4:6], "little")) != FORMAT_VERSION:
             raise UnsupportedVersionError(_version_message(version))
         raise TruncatedError(f"object is {size} bytes, shorter than any header")
-    (_, version, header_len, codec_id, dtype_code, ndim, planes, chunk_len, raw_len,
-     checksum, digest, payload_checksum) = _FIXED.unpack_from(view)  # fmt: skip
+    (
+        _,
+        version,
+        header_len,
+        codec_id,
+        dtype_code,
+        ndim,
+        planes,
+        chunk_len,
+        raw_len,
+        checksum,
+        digest,
+        payload_checksum,
+    ) = _FIXED.unpack_from(view)
     if version != FORMAT_VERSION:
         raise UnsupportedVersionError(_version_message(version))
     if header_len < _MIN_HEADER:
@@ -316,8 +339,20 @@ def read_header(blob: Bytes) -> Header:
         if (flag == SectionCodec.STORED or codec is CodecId.RAW) and stored != n:
             raise SizeMismatchError(f"stored section of {stored} bytes, raw length is {n}")
         sections.append(Section(SectionCodec(flag), stored, n))
-    header = Header(version, codec, dtype, shape, raw_len, checksum, digest, payload_checksum,
-                    planes, chunk_len, tuple(sections), header_len)  # fmt: skip
+    header = Header(
+        version,
+        codec,
+        dtype,
+        shape,
+        raw_len,
+        checksum,
+        digest,
+        payload_checksum,
+        planes,
+        chunk_len,
+        tuple(sections),
+        header_len,
+    )
     if header.total_len != size:
         raise TruncatedError(f"object is {size} bytes; its header says {header.total_len}")
     return header

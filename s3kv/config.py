@@ -40,12 +40,21 @@ AddressingStyle = Literal["auto", "path", "virtual"]
 ConditionalPut = Literal["auto", "on", "off"]
 
 _SIZE_UNITS = {
-    "": 1, "b": 1,
-    "k": 1000, "kb": 1000, "kib": 1024,
-    "m": 1000**2, "mb": 1000**2, "mib": 1024**2,
-    "g": 1000**3, "gb": 1000**3, "gib": 1024**3,
-    "t": 1000**4, "tb": 1000**4, "tib": 1024**4,
-}  # fmt: skip
+    "": 1,
+    "b": 1,
+    "k": 1000,
+    "kb": 1000,
+    "kib": 1024,
+    "m": 1000**2,
+    "mb": 1000**2,
+    "mib": 1024**2,
+    "g": 1000**3,
+    "gb": 1000**3,
+    "gib": 1024**3,
+    "t": 1000**4,
+    "tb": 1000**4,
+    "tib": 1024**4,
+}
 _DURATION_UNITS = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
 _DURATION_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhdw]?)\s*$")
@@ -286,10 +295,12 @@ class S3KVConfig:
                 raw[name] = env[env_name]
                 sources[name] = f"env {env_name}"
         unknown_env = sorted(
-            k for k in env
-            if k.startswith(ENV_PREFIX) and k != CONFIG_FILE_ENV
-            and k[len(ENV_PREFIX):].lower() not in known
-        )  # fmt: skip
+            k
+            for k in env
+            if k.startswith(ENV_PREFIX)
+            and k != CONFIG_FILE_ENV
+            and k[len(ENV_PREFIX) :].lower() not in known
+        )
         if unknown_env:
             raise ConfigError(
                 f"{unknown_env[0]}: unknown setting; known names are "
@@ -302,10 +313,11 @@ class S3KVConfig:
                 raw[name] = value
                 sources[name] = "argument"
         coerced = {
-            name: _coerce(name, value, known[name].type, known[name].metadata,
-                          sources.get(name, "default"))
+            name: _coerce(
+                name, value, known[name].type, known[name].metadata, sources.get(name, "default")
+            )
             for name, value in raw.items()
-        }  # fmt: skip
+        }
         return cls(**coerced), sources
 
     def describe(self) -> dict[str, Any]:

@@ -51,8 +51,11 @@ from s3kv.storage import (
 
 logger = logging.getLogger(__name__)
 
-_CODECS = {"raw": codec.CodecId.RAW, "zstd": codec.CodecId.ZSTD,
-           "planes-zstd": codec.CodecId.PLANES_ZSTD}  # fmt: skip
+_CODECS = {
+    "raw": codec.CodecId.RAW,
+    "zstd": codec.CodecId.ZSTD,
+    "planes-zstd": codec.CodecId.PLANES_ZSTD,
+}
 
 
 @dataclass(frozen=True)
@@ -168,11 +171,13 @@ class KVStore:
             instance_id=config.instance_id or None,
         )
         block_nbytes = (
-            identity.num_layers * identity.kv_factor * identity.block_elems
+            identity.num_layers
+            * identity.kv_factor
+            * identity.block_elems
             * codec.DType(identity.kv_dtype).itemsize
             if identity.kv_dtype in {d.value for d in codec.DType}
             else None
-        )  # fmt: skip
+        )
         store = cls(
             backend=instrumented,
             manifest=manifest,
@@ -193,8 +198,10 @@ class KVStore:
             serve_prometheus(metrics, config.metrics_port)
         logger.info(
             "s3kv: opened %s fingerprint %s (%d manifest requests)",
-            instrumented.description, fingerprint, instrumented.requests(),
-        )  # fmt: skip
+            instrumented.description,
+            fingerprint,
+            instrumented.requests(),
+        )
         return store
 
     @property
@@ -465,9 +472,13 @@ class KVStore:
         try:
             try:
                 blob = codec.encode(
-                    data, key=object_key, dtype=dtype, shape=shape,
-                    codec=self._codec, level=self.config.compression_level,
-                )  # fmt: skip
+                    data,
+                    key=object_key,
+                    dtype=dtype,
+                    shape=shape,
+                    codec=self._codec,
+                    level=self.config.compression_level,
+                )
             finally:
                 if on_consumed is not None:
                     on_consumed()

@@ -10,10 +10,10 @@ from typing import Any
 
 import torch
 
-from s3kv.emulator.executor import PyExecutorEmulator
-from s3kv.emulator.llm_args import KvCacheConfig, TorchLlmArgs
-from s3kv.emulator.model import PagedLlama, smollm2_config
-from s3kv.emulator.recording import RecordingConnector
+from s3kv.testing.emulator.executor import PyExecutorEmulator
+from s3kv.testing.emulator.llm_args import KvCacheConfig, TorchLlmArgs
+from s3kv.testing.emulator.model import PagedLlama, smollm2_config
+from s3kv.testing.emulator.recording import RecordingConnector
 
 VOCAB = 128
 

@@ -27,7 +27,7 @@ from s3kv.config import S3KVConfig
 from s3kv.storage import Backend, MemoryBackend
 
 if TYPE_CHECKING:
-    from s3kv.local_s3 import LocalS3
+    from s3kv.testing.local_s3 import LocalS3
     from s3kv.storage import S3Backend
 
 # ----------------------------------------------------------------------------------------
@@ -72,7 +72,7 @@ def moto_server() -> Iterator[str]:
 @pytest.fixture(scope="session")
 def seaweedfs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalS3]:
     """A real SeaweedFS S3 server on free ports with one identity (wrong keys get 403)."""
-    from s3kv.local_s3 import LocalS3
+    from s3kv.testing.local_s3 import LocalS3
 
     server = LocalS3.start(
         tmp_path_factory.mktemp("seaweedfs"),

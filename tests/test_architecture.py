@@ -7,7 +7,7 @@
 * Users of a subpackage import its front (``s3kv.storage``, ``s3kv.manifest``), not its parts.
 * One boto3/botocore importer (``s3kv/storage/s3.py``); one tensorrt_llm importer
   (``s3kv/connector/api.py``).
-* The product never imports its test harness (``s3kv.testing``, ``s3kv.emulator``).
+* The product never imports its test harness (``s3kv.testing``, ``s3kv.testing.emulator``).
 
 Every ``import`` statement counts, also those inside functions.
 """
@@ -23,7 +23,7 @@ import pytest
 PACKAGE = Path(__file__).resolve().parent.parent / "s3kv"
 
 LEAVES = {"s3kv.errors", "s3kv.config", "s3kv.keys", "s3kv.codec", "s3kv._planes", "s3kv._zstd"}
-HARNESS = ("s3kv.testing", "s3kv.emulator")
+HARNESS = ("s3kv.testing", "s3kv.testing.emulator")
 FRONTS = ("s3kv.storage", "s3kv.manifest")
 
 #: importer prefix -> prefixes it must never import

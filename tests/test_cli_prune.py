@@ -218,7 +218,7 @@ def test_missing_bucket_and_wrong_endpoint_are_one_line(
     missing = invoke(["prune", "--older-than", "7d", "--yes", "--bucket", "no-such-bucket-x",
                       "--endpoint-url", moto_server])  # fmt: skip
     assert_one_error_line(missing, "no-such-bucket-x", "does not exist", code=1)
-    from s3kv.local_s3 import free_port
+    from s3kv.testing.local_s3 import free_port
 
     dead = f"http://127.0.0.1:{free_port()}"
     wrong = invoke(["stats", "--bucket", "b-x", "--endpoint-url", dead])

@@ -20,9 +20,9 @@ from _emulator import one_torch_thread, prompt, tiny_model
 
 from s3kv.connector import device, scheduler, worker
 from s3kv.connector.shared import process_state
-from s3kv.emulator.executor import PyExecutorEmulator
-from s3kv.emulator.instance import S3KV_CONNECTOR
-from s3kv.emulator.llm_args import KvCacheConfig, TorchLlmArgs
+from s3kv.testing.emulator.executor import PyExecutorEmulator
+from s3kv.testing.emulator.instance import S3KV_CONNECTOR
+from s3kv.testing.emulator.llm_args import KvCacheConfig, TorchLlmArgs
 
 TPB = 8
 SYSTEM = prompt(5 * TPB, seed=51)

@@ -17,10 +17,10 @@ import torch
 from _emulator import one_torch_thread, prompt, tiny_model
 
 from s3kv.connector.shared import process_state
-from s3kv.emulator.executor import PyExecutorEmulator
-from s3kv.emulator.instance import S3KV_CONNECTOR
-from s3kv.emulator.llm_args import KvCacheConfig, TorchLlmArgs
-from s3kv.emulator.request import MultimodalInput
+from s3kv.testing.emulator.executor import PyExecutorEmulator
+from s3kv.testing.emulator.instance import S3KV_CONNECTOR
+from s3kv.testing.emulator.llm_args import KvCacheConfig, TorchLlmArgs
+from s3kv.testing.emulator.request import MultimodalInput
 
 TPB = 8
 TOKENS = prompt(5 * TPB + 3, seed=91)

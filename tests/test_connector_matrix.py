@@ -20,10 +20,10 @@ from _emulator import one_torch_thread, prompt, tiny_model
 from s3kv.connector.scheduler import SchedulerCore
 from s3kv.connector.shared import process_state
 from s3kv.connector.trtllm import S3KVConnectorScheduler
-from s3kv.emulator.executor import PyExecutorEmulator
-from s3kv.emulator.instance import S3KV_CONNECTOR
-from s3kv.emulator.kv_cache_manager_v2 import KVCacheManagerV2
-from s3kv.emulator.llm_args import KvCacheConfig, TorchLlmArgs
+from s3kv.testing.emulator.executor import PyExecutorEmulator
+from s3kv.testing.emulator.instance import S3KV_CONNECTOR
+from s3kv.testing.emulator.kv_cache_manager_v2 import KVCacheManagerV2
+from s3kv.testing.emulator.llm_args import KvCacheConfig, TorchLlmArgs
 
 TPB = 8
 SYSTEMS = [prompt(6 * TPB, seed=71), prompt(4 * TPB, seed=72)]

@@ -28,8 +28,8 @@ from _emulator import one_torch_thread, prompt, tiny_model
 from s3kv.connector.completion import CompletionBoard
 from s3kv.connector.shared import process_state
 from s3kv.connector.trtllm import S3KVConnectorScheduler, S3KVConnectorWorker
-from s3kv.emulator.executor import PyExecutorEmulator
-from s3kv.emulator.llm_args import KvCacheConfig, TorchLlmArgs
+from s3kv.testing.emulator.executor import PyExecutorEmulator
+from s3kv.testing.emulator.llm_args import KvCacheConfig, TorchLlmArgs
 
 TPB = 8
 SYSTEM = prompt(6 * TPB, seed=41)
@@ -165,7 +165,7 @@ def _tp_rank(rank: int, world: int, env: dict[str, str]) -> dict[str, Any]:
 def test_tensor_parallel_arena_slots_are_not_recycled_under_a_load(bucket: Path) -> None:
     # The same race on the TP path: rank 0 stages every shard into shared arenas, each rank
     # copies its own slot; a slot may be recycled only once *every* rank's copy completed.
-    from s3kv.emulator.parallel import run_tensor_parallel
+    from s3kv.testing.emulator.parallel import run_tensor_parallel
 
     env = {k: v for k, v in os.environ.items() if k.startswith("TLLM_S3KV_")}
     per_rank = run_tensor_parallel(2, _tp_rank, env, timeout=240)

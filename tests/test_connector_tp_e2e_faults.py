@@ -21,10 +21,10 @@ from _emulator import prompt, tiny_model
 
 from s3kv.connector import device, worker
 from s3kv.connector.shared import process_state
-from s3kv.emulator.executor import PyExecutorEmulator
-from s3kv.emulator.instance import S3KV_CONNECTOR
-from s3kv.emulator.llm_args import KvCacheConfig, TorchLlmArgs
-from s3kv.emulator.parallel import run_tensor_parallel
+from s3kv.testing.emulator.executor import PyExecutorEmulator
+from s3kv.testing.emulator.instance import S3KV_CONNECTOR
+from s3kv.testing.emulator.llm_args import KvCacheConfig, TorchLlmArgs
+from s3kv.testing.emulator.parallel import run_tensor_parallel
 
 TPB = 8
 SYSTEM = prompt(4 * TPB, seed=61)

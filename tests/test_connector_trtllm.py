@@ -422,7 +422,7 @@ def test_nvfp4_shaped_pools_turn_the_connector_off(
 ) -> None:
     # The emulator's NVFP4 shapes: an int8 pool of packed values (V1), and a V2 layout whose
     # block scales sit in a second region.
-    from s3kv.emulator.layout import nvfp4_layout, nvfp4_pool
+    from s3kv.testing.emulator.layout import nvfp4_layout, nvfp4_pool
 
     caplog.set_level(logging.ERROR)
     args = llm_args()

@@ -14,10 +14,10 @@ from typing import Any
 import pytest
 from _emulator import executor, llm_args, one_torch_thread, prompt, tiny_model
 
-from s3kv.emulator import recording
-from s3kv.emulator.executor import EmulatorStall, PyExecutorEmulator, UnsupportedConfiguration
-from s3kv.emulator.llm_args import CapacitySchedulerPolicy, KvCacheConnectorConfig
-from s3kv.emulator.recording import RecordingConnector
+from s3kv.testing.emulator import recording
+from s3kv.testing.emulator.executor import EmulatorStall, PyExecutorEmulator, UnsupportedConfiguration
+from s3kv.testing.emulator.llm_args import CapacitySchedulerPolicy, KvCacheConnectorConfig
+from s3kv.testing.emulator.recording import RecordingConnector
 
 
 @pytest.fixture(autouse=True)
@@ -244,7 +244,7 @@ def test_connector_classes_imported_from_llm_args(monkeypatch: pytest.MonkeyPatc
     monkeypatch.setattr(recording, "DEFAULT", rec)
     args = llm_args(
         kv_connector_config=KvCacheConnectorConfig(
-            "s3kv.emulator.recording", "RecordingScheduler", "RecordingWorker"
+            "s3kv.testing.emulator.recording", "RecordingScheduler", "RecordingWorker"
         )
     )
     ex = PyExecutorEmulator(args, tiny_model(), num_blocks=8, overlap=False)

@@ -15,8 +15,8 @@ import pytest
 from _emulator import executor, one_torch_thread, prompt
 
 from s3kv.connector.device import DeferredStream, StreamEvent
-from s3kv.emulator.device import DeviceValue, LateDevice
-from s3kv.emulator.recording import RecordingConnector
+from s3kv.testing.emulator.device import DeviceValue, LateDevice
+from s3kv.testing.emulator.recording import RecordingConnector
 
 
 @pytest.fixture(autouse=True)

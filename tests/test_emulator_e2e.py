@@ -22,9 +22,9 @@ from s3kv.connector.api import (
     SchedulerOutput,
 )
 from s3kv.connector.device import DeferredStream
-from s3kv.emulator.executor import PyExecutorEmulator
-from s3kv.emulator.llm_args import TorchLlmArgs
-from s3kv.emulator.model import PagedLlama
+from s3kv.testing.emulator.executor import PyExecutorEmulator
+from s3kv.testing.emulator.llm_args import TorchLlmArgs
+from s3kv.testing.emulator.model import PagedLlama
 
 Key = tuple[Any, ...]
 

@@ -16,9 +16,9 @@ import pytest
 from _emulator import llm_args, one_torch_thread, prompt, tiny_model
 from _memconnector import MemScheduler, MemWorker, fresh_store
 
-from s3kv.emulator.executor import PyExecutorEmulator, UnsupportedConfiguration
-from s3kv.emulator.recording import RecordingConnector
-from s3kv.emulator.request import FinishReason
+from s3kv.testing.emulator.executor import PyExecutorEmulator, UnsupportedConfiguration
+from s3kv.testing.emulator.recording import RecordingConnector
+from s3kv.testing.emulator.request import FinishReason
 
 RUNTIMES = pytest.mark.parametrize("runtime", ["1.2", "main"])
 OVERLAP = pytest.mark.parametrize("overlap", [False, True], ids=["plain", "overlap"])

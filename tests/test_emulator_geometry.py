@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from s3kv.emulator.geometry import (
+from s3kv.testing.emulator.geometry import (
     KvGeometry,
     kv_heads_for_rank,
     query_heads_for_rank,

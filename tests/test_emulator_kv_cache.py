@@ -14,11 +14,11 @@ import pytest
 import torch
 from _emulator import executor, one_torch_thread, prompt
 
-from s3kv.emulator.blocks import BlockPool
-from s3kv.emulator.kv_cache_manager import KVCacheManager
-from s3kv.emulator.recording import RecordingConnector
-from s3kv.emulator.request import LlmRequest, LlmRequestState
-from s3kv.emulator.scheduler import RequestScheduler
+from s3kv.testing.emulator.blocks import BlockPool
+from s3kv.testing.emulator.kv_cache_manager import KVCacheManager
+from s3kv.testing.emulator.recording import RecordingConnector
+from s3kv.testing.emulator.request import LlmRequest, LlmRequestState
+from s3kv.testing.emulator.scheduler import RequestScheduler
 
 
 @pytest.fixture(autouse=True)

@@ -3,7 +3,7 @@
 Upstream runs these on two MPI ranks (``mpi_pool_executor``); here two threads share
 barrier-based collectives (:class:`_emulator.ThreadRanks`), which exercises the same
 broadcast / allgather paths. The last test runs the whole executor on two spawned ranks with
-gloo collectives (:func:`s3kv.emulator.parallel.run_tensor_parallel`).
+gloo collectives (:func:`s3kv.testing.emulator.parallel.run_tensor_parallel`).
 """
 
 from __future__ import annotations
@@ -14,16 +14,16 @@ from typing import Any
 import pytest
 from _emulator import ThreadRanks, llm_args, one_torch_thread, prompt, tiny_model
 
-from s3kv.emulator.connector_manager import (
+from s3kv.testing.emulator.connector_manager import (
     AsyncRequests,
     KvCacheConnectorManager,
     SchedulerOutputManager,
 )
-from s3kv.emulator.executor import PyExecutorEmulator
-from s3kv.emulator.parallel import run_tensor_parallel
-from s3kv.emulator.recording import RecordingConnector
-from s3kv.emulator.request import LlmRequest, LlmRequestState
-from s3kv.emulator.scheduler import ScheduledRequests
+from s3kv.testing.emulator.executor import PyExecutorEmulator
+from s3kv.testing.emulator.parallel import run_tensor_parallel
+from s3kv.testing.emulator.recording import RecordingConnector
+from s3kv.testing.emulator.request import LlmRequest, LlmRequestState
+from s3kv.testing.emulator.scheduler import ScheduledRequests
 
 
 @pytest.fixture(autouse=True)

@@ -14,8 +14,8 @@ from typing import Any
 import pytest
 import torch
 
-from s3kv.emulator.model import ForwardItem, PagedLlama, smollm2_config
-from s3kv.emulator.tp import spawn_ranks
+from s3kv.testing.emulator.model import ForwardItem, PagedLlama, smollm2_config
+from s3kv.testing.emulator.tp import spawn_ranks
 from s3kv.testing.smollm2 import PROMPT_TEXT, load_model
 
 pytestmark = pytest.mark.model

@@ -14,7 +14,7 @@ from collections.abc import Iterator
 import pytest
 from _emulator import executor, one_torch_thread, prompt
 
-from s3kv.emulator.recording import RecordingConnector, echo_finished
+from s3kv.testing.emulator.recording import RecordingConnector, echo_finished
 
 
 @pytest.fixture(autouse=True)

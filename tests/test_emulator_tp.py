@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch import distributed as dist
 
-from s3kv.emulator.tp import RankError, spawn_ranks
+from s3kv.testing.emulator.tp import RankError, spawn_ranks
 
 
 def _sum_ranks(rank: int, world_size: int, offset: int) -> tuple[int, int, float]:

@@ -17,16 +17,16 @@ from _emulator import one_torch_thread, prompt
 from _memconnector import MemScheduler, MemWorker, fresh_store
 from test_emulator_eras import make
 
-from s3kv.emulator.kv_cache_manager_v2 import KVCacheManagerV2
-from s3kv.emulator.layout import (
+from s3kv.testing.emulator.kv_cache_manager_v2 import KVCacheManagerV2
+from s3kv.testing.emulator.layout import (
     KvCacheLayout,
     layout_of_pool,
     nvfp4_layout,
     nvfp4_pool,
     register_kv_cache_layout,
 )
-from s3kv.emulator.recording import RecordingConnector, RecordingWorker
-from s3kv.emulator.request import LlmRequest
+from s3kv.testing.emulator.recording import RecordingConnector, RecordingWorker
+from s3kv.testing.emulator.request import LlmRequest
 
 CHUNKED = {"enable_chunked_prefill": True, "max_num_tokens": 64}
 

@@ -58,7 +58,7 @@ def product_modules() -> list[str]:
         parts = rel.parts[:-1] if rel.name == "__init__" else rel.parts
         name = ".".join(parts)
         private = any(p.startswith("_") and p != "__init__" for p in rel.parts)
-        harness = name.startswith(("s3kv.testing", "s3kv.emulator"))
+        harness = name.startswith(("s3kv.testing", "s3kv.testing.emulator"))
         if not private and not harness:
             names.append(name)
     return names

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from s3kv.config import S3KVConfig
-from s3kv.local_s3 import (
+from s3kv.testing.local_s3 import (
     STATE_FILE,
     LocalS3,
     LocalS3Error,
@@ -142,7 +142,7 @@ def test_lifecycle_start_serve_stop_restart(
 
         # Stop from another process (the module's CLI), through the state file only.
         done = subprocess.run(
-            [sys.executable, "-m", "s3kv.local_s3", "stop", "--dir", str(data), "--grace", "1"],
+            [sys.executable, "-m", "s3kv.testing.local_s3", "stop", "--dir", str(data), "--grace", "1"],
             check=False, capture_output=True, text=True, timeout=60,
         )  # fmt: skip
         assert done.stdout.strip() == "stopped", done.stderr

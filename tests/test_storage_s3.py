@@ -29,7 +29,7 @@ from s3kv.errors import (
     StorageError,
     ThrottledError,
 )
-from s3kv.local_s3 import LocalS3, free_port
+from s3kv.testing.local_s3 import LocalS3, free_port
 from s3kv.storage import (
     DELETE_BATCH,
     S3Backend,
@@ -133,7 +133,7 @@ class TestClientSettings:
 
     def test_import_s3kv_does_not_import_boto3(self) -> None:
         code = (
-            "import sys, s3kv, s3kv.storage, s3kv.local_s3; "
+            "import sys, s3kv, s3kv.storage, s3kv.testing.local_s3; "
             "bad = [m for m in ('boto3', 'botocore') if m in sys.modules]; "
             "sys.exit(f'imported {bad}' if bad else 0)"
         )

@@ -95,7 +95,7 @@ def local_start(
     Use as: eval "$(s3kv local-s3 start)". The server outlives this command; stop it with
     `s3kv local-s3 stop`.
     """
-    from s3kv.local_s3 import LocalS3
+    from s3kv.testing.local_s3 import LocalS3
 
     # NOTE: not die_with_parent: the server must outlive this short-lived command.
     server = LocalS3.start(data_dir, port=port, bucket=bucket)
@@ -123,7 +123,7 @@ def local_stop(
     json_out: JsonOpt = False,
 ) -> None:
     """Stop the server recorded in the data directory (SIGINT, then SIGKILL its pid)."""
-    from s3kv.local_s3 import stop_from_state
+    from s3kv.testing.local_s3 import stop_from_state
 
     stopped = stop_from_state(data_dir, grace=grace)
     Output(json_out, runtime(ctx)).emit(
@@ -137,7 +137,7 @@ def local_status(
     ctx: typer.Context, data_dir: DirOpt = Path(".s3kv-local"), json_out: JsonOpt = False
 ) -> None:
     """Whether the server recorded in the data directory runs; exits 1 if not."""
-    from s3kv.local_s3 import status
+    from s3kv.testing.local_s3 import status
 
     found = status(data_dir)
     document = {"command": "local-s3 status", "running": found.running,

@@ -58,8 +58,11 @@ def _register_pinned(view: memoryview) -> bool:
         logger.warning("s3kv: cannot pin the staging arena: %s", exc)
         return False
     if int(result) != 0:  # pragma: no cover - needs CUDA
-        logger.warning("s3kv: cudaHostRegister of the staging arena failed (error %s); host→GPU "
-                       "loads will be synchronous", int(result))  # fmt: skip
+        logger.warning(
+            "s3kv: cudaHostRegister of the staging arena failed (error %s); host→GPU "
+            "loads will be synchronous",
+            int(result),
+        )
         return False
     return True  # pragma: no cover - needs CUDA
 

@@ -77,8 +77,10 @@ def kv_quant_algo(llm_args: Any) -> str | None:
     if not model:
         return None
     root = Path(str(model))
-    for name, path in (("hf_quant_config.json", ("quantization",)),
-                       ("config.json", ("quantization_config",))):  # fmt: skip
+    for name, path in (
+        ("hf_quant_config.json", ("quantization",)),
+        ("config.json", ("quantization_config",)),
+    ):
         try:
             data = json.loads((root / name).read_text())
         except (OSError, ValueError):

@@ -96,9 +96,16 @@ def _quantization(llm_args: Any) -> str:
 
 
 def shard_identity(
-    llm_args: Any, config: S3KVConfig, *, kv_shape: tuple[int, ...], kv_dtype: Any,
-    tp_size: int, tp_rank: int, revision: str, manager: str = "v1",
-) -> ModelIdentity:  # fmt: skip
+    llm_args: Any,
+    config: S3KVConfig,
+    *,
+    kv_shape: tuple[int, ...],
+    kv_dtype: Any,
+    tp_size: int,
+    tp_rank: int,
+    revision: str,
+    manager: str = "v1",
+) -> ModelIdentity:
     """The identity of this rank's shard, from the registered tensor's shape and dtype.
 
     Args:

@@ -55,8 +55,9 @@ def _guarded(default: Callable[..., Any]) -> Callable[[Callable[..., T]], Callab
             try:
                 return method(self, *args, **kwargs)
             except Exception:
-                logger.exception("s3kv: %s failed; continuing without the connector's help",
-                                 method.__name__)  # fmt: skip
+                logger.exception(
+                    "s3kv: %s failed; continuing without the connector's help", method.__name__
+                )
                 return default(*args, **kwargs)  # type: ignore[no-any-return]
 
         return wrapper
@@ -157,8 +158,9 @@ class S3KVConnectorScheduler(SchedulerBase):  # type: ignore[misc]
         """
         warm, self._warm_awaited = self.warm, True
         if warm is not None and not warm.wait():
-            logger.warning("s3kv: warm start still running after %.0f s; serving anyway",
-                           warm.timeout)  # fmt: skip
+            logger.warning(
+                "s3kv: warm start still running after %.0f s; serving anyway", warm.timeout
+            )
 
     @_guarded(lambda *a, **k: None)
     def wait_for_initialization(self) -> None:
@@ -271,8 +273,7 @@ class S3KVConnectorWorker(WorkerBase):  # type: ignore[misc]
         try:
             return step()
         except Exception:
-            logger.exception("s3kv: %s failed on rank %d; the connector turns off", what,
-                             self.rank)  # fmt: skip
+            logger.exception("s3kv: %s failed on rank %d; the connector turns off", what, self.rank)
             return None
 
     def _revision(self) -> tuple[str, str]:
@@ -309,8 +310,12 @@ class S3KVConnectorWorker(WorkerBase):  # type: ignore[misc]
         scheduler = process_state().scheduler if self.rank == 0 else None
         off = [s for s in shards if s.identity is None]
         if off:
-            logger.error("s3kv: connector disabled on rank %d: rank %d: %s", self.rank,
-                         off[0].rank, off[0].reason)  # fmt: skip
+            logger.error(
+                "s3kv: connector disabled on rank %d: rank %d: %s",
+                self.rank,
+                off[0].rank,
+                off[0].reason,
+            )
         if scheduler is not None:
             try:
                 scheduler.initialize(shards)  # with a rank off, turns itself off naming it
@@ -324,8 +329,7 @@ class S3KVConnectorWorker(WorkerBase):  # type: ignore[misc]
             if scheduler is None or scheduler.core is None or shards_on is None:
                 return  # rank 0's scheduler is off: nothing will be planned for any rank
             assert self.config is not None  # an identity implies a configuration
-            core = WorkerCore(0, shards_on.stores[0], self._kv,
-                              self.config.max_inflight_save_bytes)  # fmt: skip
+            core = WorkerCore(0, shards_on.stores[0], self._kv, self.config.max_inflight_save_bytes)
             core.board = scheduler.core.board
             scheduler.await_warm_start()
         self.core = core
@@ -359,10 +363,15 @@ class S3KVConnectorWorker(WorkerBase):  # type: ignore[misc]
         if reason or self.config is None:
             return ShardInfo(self.rank, None, reason or "no configuration", nbytes, host)
         identity = shard_identity(
-            self._llm_args, self.config, kv_shape=tuple(kv.shape), kv_dtype=kv.dtype,
-            tp_size=self.tp_size, tp_rank=self.rank,
-            revision=revision, manager=self.manager,
-        )  # fmt: skip
+            self._llm_args,
+            self.config,
+            kv_shape=tuple(kv.shape),
+            kv_dtype=kv.dtype,
+            tp_size=self.tp_size,
+            tp_rank=self.rank,
+            revision=revision,
+            manager=self.manager,
+        )
         return ShardInfo(self.rank, identity, "", nbytes, host)
 
     def _layout_problem(self, kv: Any) -> str:
@@ -387,8 +396,9 @@ class S3KVConnectorWorker(WorkerBase):  # type: ignore[misc]
                 f"KV pool holds {kv.shape[1]} layers but the model has {expected}: several "
                 "pools (layers with different KV head counts) or variable sliding windows"
             )
-        windows = getattr(getattr(self._llm_args, "kv_cache_config", None),
-                          "max_attention_window", None)  # fmt: skip
+        windows = getattr(
+            getattr(self._llm_args, "kv_cache_config", None), "max_attention_window", None
+        )
         if windows and len(set(windows)) > 1:
             return "variable sliding-window attention (VSWA) is not supported"
         return ""

@@ -72,9 +72,10 @@ class WarmStart:
             self.planned = len(keys)
             metrics.set("warm_blocks_planned", self.planned)
             logger.info(
-                "s3kv: warm start: staging %d blocks of %d hottest chains", self.planned,
+                "s3kv: warm start: staging %d blocks of %d hottest chains",
+                self.planned,
                 len(chains),
-            )  # fmt: skip
+            )
             self.shards.prefetch(keys)
             self.shards.wait_staged(keys, max(0.0, started + self.timeout - time.monotonic()))
             self.staged = sum(1 for k in keys if self.shards.staged_everywhere(k))
@@ -86,8 +87,10 @@ class WarmStart:
             self.done.set()
             logger.info(
                 "s3kv: warm start done: %d/%d blocks staged in %.1f s",
-                self.staged, self.planned, time.monotonic() - started,
-            )  # fmt: skip
+                self.staged,
+                self.planned,
+                time.monotonic() - started,
+            )
 
 
 __all__ = [

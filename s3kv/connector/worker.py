@@ -157,8 +157,9 @@ class WorkerCore:
         arena = self._arena(metadata) if metadata.arenas else None
         event: StreamEvent = DONE
         try:
-            pairs = [(self.kv_cache[op.block_id], self._load_source(op, arena))
-                     for op in metadata.loads]  # fmt: skip
+            pairs = [
+                (self.kv_cache[op.block_id], self._load_source(op, arena)) for op in metadata.loads
+            ]
             event = engine.load(pairs, stream)
         except Exception:
             # NOTE: a claim cannot be withdrawn: whatever was enqueued is fenced (its pins
@@ -278,10 +279,13 @@ class WorkerCore:
     def _hand_to_store(self, op: SaveOp, buffer: Any) -> None:
         try:
             self.store.save(
-                BlockHash(op.key), BlockHash(op.parent), buffer.numpy(),
-                dtype=self.dtype_name, shape=self.block_shape,
+                BlockHash(op.key),
+                BlockHash(op.parent),
+                buffer.numpy(),
+                dtype=self.dtype_name,
+                shape=self.block_shape,
                 on_consumed=functools.partial(self._buffers.release, buffer),
-            )  # fmt: skip
+            )
         except Exception:  # NOTE: a lost save costs a future miss, never the request
             logger.exception("s3kv: dropping the save of block %s", op.key.hex())
             self._buffers.release(buffer)

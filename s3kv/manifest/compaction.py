@@ -147,18 +147,24 @@ def compact(
     every_folded = {*folded_before, *read, *corrupt}
     bloom_path, usage_path = snapshot_paths(generation)
     pointer = Current(
-        generation=generation, bloom=bloom_path, usage=usage_path, keys=len(rows),
-        watermark=watermark, grace_s=grace_s, created_at=now_ms / 1000,
+        generation=generation,
+        bloom=bloom_path,
+        usage=usage_path,
+        keys=len(rows),
+        watermark=watermark,
+        grace_s=grace_s,
+        created_at=now_ms / 1000,
         folded=tuple(sorted(n for n in every_folded if _time_ms(n) >= cutoff)),
-    )  # fmt: skip
+    )
     published = _publish(io, pointer, bloom_blob, usage_blob, raw_current)
     deleted = snapshots_deleted = 0
     if published:
         if len(rows) > capacity:
             logger.warning(
                 "s3kv manifest: %d live keys exceed bloom_capacity=%d; false positives rise",
-                len(rows), capacity,
-            )  # fmt: skip
+                len(rows),
+                capacity,
+            )
         keep_gens = {generation, current.generation if current else generation}
         deleted, snapshots_deleted = _cleanup(
             io,
@@ -166,13 +172,22 @@ def compact(
             [path for gen, paths in snapshots.items() if gen not in keep_gens for path in paths],
         )
     return CompactionReport(
-        generation=generation, keys=len(rows), records_folded=len(records),
-        segments_folded=len(read), segments_corrupt=len(corrupt), segments_deferred=deferred,
-        segments_deleted=deleted, snapshots_deleted=snapshots_deleted,
-        keys_dropped=len(folded_rows) - len(rows), listing_keys=len(listing or ()),
-        bloom_bytes=len(bloom_blob), usage_bytes=len(usage_blob),
-        over_capacity=len(rows) > capacity, lost_race=not published, requests=io.requests,
-    )  # fmt: skip
+        generation=generation,
+        keys=len(rows),
+        records_folded=len(records),
+        segments_folded=len(read),
+        segments_corrupt=len(corrupt),
+        segments_deferred=deferred,
+        segments_deleted=deleted,
+        snapshots_deleted=snapshots_deleted,
+        keys_dropped=len(folded_rows) - len(rows),
+        listing_keys=len(listing or ()),
+        bloom_bytes=len(bloom_blob),
+        usage_bytes=len(usage_blob),
+        over_capacity=len(rows) > capacity,
+        lost_race=not published,
+        requests=io.requests,
+    )
 
 
 def _time_ms(name: str) -> int:

@@ -70,10 +70,18 @@ _UNKNOWN_GEN: Final = -2
 _CORRUPT_GEN: Final = -1
 
 _COUNTERS: Final = (
-    "segments_written", "segments_read", "segments_corrupt", "records_flushed",
-    "records_dropped", "flush_errors", "refresh_errors", "refreshes", "reloads",
-    "snapshots_corrupt", "thread_errors",
-)  # fmt: skip
+    "segments_written",
+    "segments_read",
+    "segments_corrupt",
+    "records_flushed",
+    "records_dropped",
+    "flush_errors",
+    "refresh_errors",
+    "refreshes",
+    "reloads",
+    "snapshots_corrupt",
+    "thread_errors",
+)
 
 
 def _check_keys(keys: Sequence[bytes]) -> None:
@@ -171,9 +179,15 @@ class Manifest:
             ConfigError: invalid ``instance_id`` or ``grace_s``.
         """
         manifest = cls(
-            backend, prefix, fingerprint, capacity=capacity, fpr=fpr,
-            instance_id=instance_id, clock=clock, grace_s=grace_s,
-        )  # fmt: skip
+            backend,
+            prefix,
+            fingerprint,
+            capacity=capacity,
+            fpr=fpr,
+            instance_id=instance_id,
+            clock=clock,
+            grace_s=grace_s,
+        )
         manifest.refresh()
         manifest._open_requests = manifest._io.requests
         return manifest
@@ -282,8 +296,9 @@ class Manifest:
                     self._inflight = []
                     self._flush_failing = True
                     self._counters["flush_errors"] += 1
-                self._log_once(f"flush:{exc.kind}", "s3kv manifest: segment PUT failed (%s): %s",
-                               exc.kind, exc)  # fmt: skip
+                self._log_once(
+                    f"flush:{exc.kind}", "s3kv manifest: segment PUT failed (%s): %s", exc.kind, exc
+                )
                 return 0
             with self._lock:
                 self._mark_seen(name)
@@ -317,8 +332,9 @@ class Manifest:
             except StorageError as exc:
                 with self._lock:
                     self._counters["refresh_errors"] += 1
-                self._log_once(f"refresh:{exc.kind}", "s3kv manifest: refresh failed (%s): %s",
-                               exc.kind, exc)  # fmt: skip
+                self._log_once(
+                    f"refresh:{exc.kind}", "s3kv manifest: refresh failed (%s): %s", exc.kind, exc
+                )
                 return 0
             with self._lock:
                 self._counters["refreshes"] += 1
@@ -401,8 +417,12 @@ class Manifest:
                 with self._lock:
                     self._counters["segments_corrupt"] += 1
                     seen[name] = time_ms
-                self._log_once(f"segment:{exc.kind}", "s3kv manifest: skipping corrupt "
-                               "segment %s (%s)", name, exc.kind)  # fmt: skip
+                self._log_once(
+                    f"segment:{exc.kind}",
+                    "s3kv manifest: skipping corrupt segment %s (%s)",
+                    name,
+                    exc.kind,
+                )
                 continue
             if records is not None:
                 writes = records["key"][records["kind"] == KIND_WRITE]
@@ -446,9 +466,11 @@ class Manifest:
             self._flush_keys = max(1, flush_keys)
             self._queue.bound = _PENDING_FACTOR * self._flush_keys
         self._thread = threading.Thread(
-            target=self._run, args=(refresh_interval, flush_interval),
-            name=f"s3kv-manifest-{self.instance_id}", daemon=True,
-        )  # fmt: skip
+            target=self._run,
+            args=(refresh_interval, flush_interval),
+            name=f"s3kv-manifest-{self.instance_id}",
+            daemon=True,
+        )
         self._thread.start()
 
     def _run(self, refresh_interval: float, flush_interval: float) -> None:

@@ -306,8 +306,9 @@ class UsageTable:
                 -self.rows["pinned"].astype(np.int64),
             )
         )
-        selected, order = _select(rank.tolist(), parent_idx.tolist(),
-                                  self.rows["size"].tolist(), limit_bytes)  # fmt: skip
+        selected, order = _select(
+            rank.tolist(), parent_idx.tolist(), self.rows["size"].tolist(), limit_bytes
+        )
         return _chains(selected, order, parent_idx.tolist(), keys)
 
 

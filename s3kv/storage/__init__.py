@@ -45,10 +45,16 @@ if TYPE_CHECKING:
     )
 
 #: Names served from ``s3kv.storage.s3`` on first use (importing boto3 then).
-_S3_NAMES = frozenset({
-    "FOREIGN_ERRORS", "S3Backend", "ensure_bucket", "make_client", "probe_conditional_put",
-    "translate_error",
-})  # fmt: skip
+_S3_NAMES = frozenset(
+    {
+        "FOREIGN_ERRORS",
+        "S3Backend",
+        "ensure_bucket",
+        "make_client",
+        "probe_conditional_put",
+        "translate_error",
+    }
+)
 
 
 def __getattr__(name: str) -> object:

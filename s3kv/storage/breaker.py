@@ -103,8 +103,10 @@ class CircuitBreaker:
                 self.trips += 1
                 logger.warning(
                     "s3kv: %d consecutive storage failures; circuit open for %.0f s "
-                    "(claiming nothing, dropping saves)", self._consecutive, self.cooldown,
-                )  # fmt: skip
+                    "(claiming nothing, dropping saves)",
+                    self._consecutive,
+                    self.cooldown,
+                )
 
     def _current(self) -> BreakerState:
         if self._state is BreakerState.OPEN and self._clock() - self._opened_at >= self.cooldown:

@@ -40,8 +40,9 @@ def whoami(config: S3KVConfig) -> Credentials | None:
         StorageError: another failure of the credential chain.
     """
     if is_file_url(config.endpoint_url):
-        return Credentials(source=f"none needed for {config.endpoint_url}", access_key_id="",
-                           required=False)  # fmt: skip
+        return Credentials(
+            source=f"none needed for {config.endpoint_url}", access_key_id="", required=False
+        )
     from s3kv.storage.s3 import whoami as s3_whoami
 
     return s3_whoami(config)

@@ -80,17 +80,37 @@ FOREIGN_ERRORS: tuple[type[BaseException], ...] = (
 
 _NOT_FOUND_CODES = frozenset({"NoSuchKey", "404", "NotFound"})
 _NO_BUCKET_CODES = frozenset({"NoSuchBucket"})
-_DENIED_CODES = frozenset({
-    "AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch", "ExpiredToken",
-    "InvalidToken", "TokenRefreshRequired", "AllAccessDisabled", "AccountProblem",
-    "InvalidSecurity", "403", "Forbidden",
-})  # fmt: skip
-_THROTTLE_CODES = frozenset({
-    "SlowDown", "Throttling", "ThrottlingException", "ThrottledException",
-    "RequestThrottled", "RequestLimitExceeded", "TooManyRequestsException",
-    "RequestThrottledException", "ProvisionedThroughputExceededException",
-    "BandwidthLimitExceeded", "ServiceUnavailable", "503",
-})  # fmt: skip
+_DENIED_CODES = frozenset(
+    {
+        "AccessDenied",
+        "InvalidAccessKeyId",
+        "SignatureDoesNotMatch",
+        "ExpiredToken",
+        "InvalidToken",
+        "TokenRefreshRequired",
+        "AllAccessDisabled",
+        "AccountProblem",
+        "InvalidSecurity",
+        "403",
+        "Forbidden",
+    }
+)
+_THROTTLE_CODES = frozenset(
+    {
+        "SlowDown",
+        "Throttling",
+        "ThrottlingException",
+        "ThrottledException",
+        "RequestThrottled",
+        "RequestLimitExceeded",
+        "TooManyRequestsException",
+        "RequestThrottledException",
+        "ProvisionedThroughputExceededException",
+        "BandwidthLimitExceeded",
+        "ServiceUnavailable",
+        "503",
+    }
+)
 _PRECONDITION_CODES = frozenset({"PreconditionFailed", "ConditionalRequestConflict", "412"})
 _UNSUPPORTED_CODES = frozenset({"NotImplemented", "501", "InvalidArgument", "InvalidRequest"})
 
@@ -131,8 +151,9 @@ def translate_error(
         return exc
     where = _where(op, key, bucket, endpoint)
     if isinstance(exc, bce.ClientError):
-        return _translate_client_error(exc, op=op, key=key, bucket=bucket, where=where,
-                                       endpoint=endpoint)  # fmt: skip
+        return _translate_client_error(
+            exc, op=op, key=key, bucket=bucket, where=where, endpoint=endpoint
+        )
     return _translate_transport_error(exc, where=where)
 
 
@@ -218,10 +239,16 @@ def _translate_transport_error(exc: BaseException, *, where: str) -> StorageErro
         )
     if isinstance(
         exc,
-        bce.EndpointConnectionError | bce.ConnectTimeoutError | bce.ConnectionClosedError
-        | bce.HTTPClientError | bce.ResponseStreamingError | bce.IncompleteReadError
-        | urllib3.exceptions.HTTPError | ConnectionError | TimeoutError,
-    ):  # fmt: skip
+        bce.EndpointConnectionError
+        | bce.ConnectTimeoutError
+        | bce.ConnectionClosedError
+        | bce.HTTPClientError
+        | bce.ResponseStreamingError
+        | bce.IncompleteReadError
+        | urllib3.exceptions.HTTPError
+        | ConnectionError
+        | TimeoutError,
+    ):
         return EndpointError(
             f"cannot reach the endpoint for {where} ({kind}: {text}): check "
             "TLLM_S3KV_ENDPOINT_URL/AWS_ENDPOINT_URL_S3 and that the server is running"
@@ -281,11 +308,13 @@ def ensure_bucket(client: S3Client, bucket: str) -> bool:
     except bce.ClientError as exc:
         if _error_code(exc)[0] in ("BucketAlreadyOwnedByYou", "BucketAlreadyExists"):
             return False
-        raise translate_error(exc, op="create_bucket", key=None, bucket=bucket,
-                              endpoint=str(client.meta.endpoint_url)) from exc  # fmt: skip
+        raise translate_error(
+            exc, op="create_bucket", key=None, bucket=bucket, endpoint=str(client.meta.endpoint_url)
+        ) from exc
     except FOREIGN_ERRORS as exc:
-        raise translate_error(exc, op="create_bucket", key=None, bucket=bucket,
-                              endpoint=str(client.meta.endpoint_url)) from exc  # fmt: skip
+        raise translate_error(
+            exc, op="create_bucket", key=None, bucket=bucket, endpoint=str(client.meta.endpoint_url)
+        ) from exc
     return True
 
 
@@ -386,8 +415,12 @@ class S3Backend(Backend):
             raise ConfigError("bucket: no bucket configured; set TLLM_S3KV_BUCKET")
         s3 = client if client is not None else make_client(cfg)
         if cfg.conditional_put != "auto":
-            return cls(s3, bucket=cfg.bucket, conditional_put=cfg.conditional_put == "on",
-                       prefix=cfg.key_prefix)  # fmt: skip
+            return cls(
+                s3,
+                bucket=cfg.bucket,
+                conditional_put=cfg.conditional_put == "on",
+                prefix=cfg.key_prefix,
+            )
         backend = cls(s3, bucket=cfg.bucket, conditional_put=False, prefix=cfg.key_prefix)
         # NOTE: check first: probing a missing bucket is meaningless, and some servers
         # (SeaweedFS) answer a PUT into a missing bucket with 403 rather than NoSuchBucket.
@@ -460,8 +493,7 @@ class S3Backend(Backend):
             raise self._error(exc, "head", key) from exc
         except FOREIGN_ERRORS as exc:
             raise self._error(exc, "head", key) from exc
-        return ObjectInfo(key, int(response["ContentLength"]),
-                          response["LastModified"].timestamp())  # fmt: skip
+        return ObjectInfo(key, int(response["ContentLength"]), response["LastModified"].timestamp())
 
     def delete_many(self, keys: Iterable[str]) -> DeleteResult:
         result = DeleteResult()
@@ -490,8 +522,9 @@ class S3Backend(Backend):
         try:
             for page in pages:
                 for item in page.get("Contents", []):
-                    yield ObjectInfo(item["Key"], int(item["Size"]),
-                                     item["LastModified"].timestamp())  # fmt: skip
+                    yield ObjectInfo(
+                        item["Key"], int(item["Size"]), item["LastModified"].timestamp()
+                    )
         except FOREIGN_ERRORS as exc:
             raise self._error(exc, "list", None) from exc
 
@@ -551,15 +584,15 @@ def probe_conditional_put(client: S3Client, bucket: str, prefix: str) -> bool:
                 if code in _UNSUPPORTED_CODES or status in (400, 501):
                     logger.info("conditional PUT not supported by %s (%s)", endpoint, code)
                     return False
-                error = translate_error(exc, op="probe", key=key, bucket=bucket,
-                                        endpoint=endpoint)  # fmt: skip
+                error = translate_error(exc, op="probe", key=key, bucket=bucket, endpoint=endpoint)
                 if isinstance(error, AccessDeniedError):
                     logger.warning("cannot probe conditional PUT (%s); assuming off", error)
                     return False
                 raise error from exc
             except FOREIGN_ERRORS as exc:
-                raise translate_error(exc, op="probe", key=key, bucket=bucket,
-                                      endpoint=endpoint) from exc  # fmt: skip
+                raise translate_error(
+                    exc, op="probe", key=key, bucket=bucket, endpoint=endpoint
+                ) from exc
         logger.warning(
             "%s ignores If-None-Match on PUT: conditional PUT off (saves may overwrite)",
             endpoint,
@@ -594,9 +627,20 @@ def _delete_quietly(client: S3Client, bucket: str, key: str) -> None:
     try:
         client.delete_object(Bucket=bucket, Key=key)
     except FOREIGN_ERRORS as exc:
-        logger.warning("could not delete probe object s3://%s/%s: %s", bucket, key,
-                       translate_error(exc, op="delete", key=key, bucket=bucket))  # fmt: skip
+        logger.warning(
+            "could not delete probe object s3://%s/%s: %s",
+            bucket,
+            key,
+            translate_error(exc, op="delete", key=key, bucket=bucket),
+        )
 
 
-__all__ = ["FOREIGN_ERRORS", "S3Backend", "ensure_bucket", "make_client",
-           "probe_conditional_put", "translate_error", "whoami"]  # fmt: skip
+__all__ = [
+    "FOREIGN_ERRORS",
+    "S3Backend",
+    "ensure_bucket",
+    "make_client",
+    "probe_conditional_put",
+    "translate_error",
+    "whoami",
+]
