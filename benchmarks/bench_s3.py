@@ -36,10 +36,10 @@ import numpy as np
 
 from s3kv.config import S3KVConfig
 from s3kv.keys import ROOT_HASH, BlockHash, ModelIdentity, hash_block
-from s3kv.testing.local_s3 import LocalS3
 from s3kv.staging import NumpyAllocator
 from s3kv.storage import Backend, open_backend
 from s3kv.store import KVStore
+from s3kv.testing.local_s3 import LocalS3
 from s3kv.testing.smollm2 import kv_blocks
 
 TOKENS_PER_BLOCK = 64

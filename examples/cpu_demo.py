@@ -22,9 +22,9 @@ import sys
 import tempfile
 from pathlib import Path
 
+from s3kv.testing import smollm2
 from s3kv.testing.emulator.instance import TOKENS_PER_BLOCK, InstanceSpec, run_instance
 from s3kv.testing.local_s3 import LocalS3
-from s3kv.testing import smollm2
 
 SYSTEM_TOKENS = 32 * TOKENS_PER_BLOCK
 QUESTION = "\nQuestion: which risks does the report name, and who owns them?\nAnswer:"

@@ -27,8 +27,8 @@ from s3kv.config import S3KVConfig
 from s3kv.storage import Backend, MemoryBackend
 
 if TYPE_CHECKING:
-    from s3kv.testing.local_s3 import LocalS3
     from s3kv.storage import S3Backend
+    from s3kv.testing.local_s3 import LocalS3
 
 # ----------------------------------------------------------------------------------------
 # S3 servers

@@ -15,10 +15,10 @@ import pytest
 from botocore.config import Config
 from cli_support import assert_one_error_line, invoke, parse_json
 
+from s3kv.storage import S3Backend
 from s3kv.testing import local_s3
 from s3kv.testing._procutil import alive
 from s3kv.testing.local_s3 import LocalS3, free_port, stop_from_state
-from s3kv.storage import S3Backend
 
 READ_ONLY = ("s3kv-reader", "reader-secret-0123456789")
 

@@ -14,7 +14,12 @@ from typing import TYPE_CHECKING
 
 import pytest
 
-from s3kv.testing.emulator.instance import TOKENS_PER_BLOCK, InstanceReport, InstanceSpec, run_instance
+from s3kv.testing.emulator.instance import (
+    TOKENS_PER_BLOCK,
+    InstanceReport,
+    InstanceSpec,
+    run_instance,
+)
 
 if TYPE_CHECKING:
     from s3kv.testing.local_s3 import LocalS3

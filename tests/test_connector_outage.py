@@ -15,11 +15,11 @@ import pytest
 from _emulator import one_torch_thread, prompt, tiny_model
 
 from s3kv.connector.shared import process_state
+from s3kv.storage import BreakerState
 from s3kv.testing.emulator.executor import PyExecutorEmulator
 from s3kv.testing.emulator.instance import S3KV_CONNECTOR
 from s3kv.testing.emulator.llm_args import KvCacheConfig, TorchLlmArgs
 from s3kv.testing.local_s3 import LocalS3
-from s3kv.storage import BreakerState
 
 pytestmark = pytest.mark.seaweedfs
 

@@ -15,7 +15,11 @@ import pytest
 from _emulator import executor, llm_args, one_torch_thread, prompt, tiny_model
 
 from s3kv.testing.emulator import recording
-from s3kv.testing.emulator.executor import EmulatorStall, PyExecutorEmulator, UnsupportedConfiguration
+from s3kv.testing.emulator.executor import (
+    EmulatorStall,
+    PyExecutorEmulator,
+    UnsupportedConfiguration,
+)
 from s3kv.testing.emulator.llm_args import CapacitySchedulerPolicy, KvCacheConnectorConfig
 from s3kv.testing.emulator.recording import RecordingConnector
 

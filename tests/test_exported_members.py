@@ -20,6 +20,8 @@ PUBLIC: dict[str, list[str]] = {
         "SaveStatus", "StorageError", "__version__", "chain_hashes", "hash_block",
     ],
     "s3kv.connector": ["S3KVConnectorScheduler", "S3KVConnectorWorker"],
+    "s3kv.testing": ["emulator", "local_s3", "smollm2", "storage"],
+    "s3kv.testing.storage": ["BackendTests", "Quirk"],
     "s3kv.connector.trtllm": ["S3KVConnectorScheduler", "S3KVConnectorWorker"],
     "s3kv.storage": [
         "DELETE_BATCH", "FOREIGN_ERRORS", "Backend", "BreakerState", "Capabilities",
@@ -58,7 +60,7 @@ def product_modules() -> list[str]:
         parts = rel.parts[:-1] if rel.name == "__init__" else rel.parts
         name = ".".join(parts)
         private = any(p.startswith("_") and p != "__init__" for p in rel.parts)
-        harness = name.startswith(("s3kv.testing", "s3kv.testing.emulator"))
+        harness = name.startswith("s3kv.testing")
         if not private and not harness:
             names.append(name)
     return names

@@ -13,19 +13,19 @@ import sys
 from pathlib import Path
 
 import pytest
+from cli_support import invoke
 
 from s3kv.config import S3KVConfig
+from s3kv.storage import S3Backend
 from s3kv.testing.local_s3 import (
     STATE_FILE,
     LocalS3,
     LocalS3Error,
     find_weed_binary,
     free_port,
-    main,
     status,
     stop_from_state,
 )
-from s3kv.storage import S3Backend
 
 pytestmark = pytest.mark.seaweedfs
 
@@ -67,13 +67,12 @@ def test_status_of_an_empty_directory(tmp_path: Path) -> None:
     assert stop_from_state(tmp_path) is False
 
 
-def test_cli_status_of_an_empty_directory(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
-) -> None:
-    assert main(["status", "--dir", str(tmp_path)]) == 1
-    assert capsys.readouterr().out.startswith("not running")
-    assert main(["env", "--dir", str(tmp_path)]) == 2  # nothing recorded: an error
-    assert "Error: no local S3 server recorded" in capsys.readouterr().err
+def test_cli_status_of_an_empty_directory(tmp_path: Path) -> None:
+    result = invoke(["local-s3", "status", "--dir", str(tmp_path)])
+    assert result.exit_code == 1
+    assert result.stdout.startswith("not running")
+    with pytest.raises(LocalS3Error, match="no local S3 server recorded"):
+        LocalS3.from_state(tmp_path)  # nothing recorded: an error
 
 
 def test_stale_state_never_signals_a_foreign_pid(tmp_path: Path) -> None:
@@ -140,9 +139,10 @@ def test_lifecycle_start_serve_stop_restart(
         backend = S3Backend(again.client(), bucket="lifecycle", conditional_put=False)
         assert backend.get("persist/me") == b"across restarts"
 
-        # Stop from another process (the module's CLI), through the state file only.
+        # Stop from another process (`s3kv local-s3 stop`), through the state file only.
         done = subprocess.run(
-            [sys.executable, "-m", "s3kv.testing.local_s3", "stop", "--dir", str(data), "--grace", "1"],
+            [sys.executable, "-c", "from s3kv.cli import main; main()",
+             "local-s3", "stop", "--dir", str(data), "--grace", "1"],
             check=False, capture_output=True, text=True, timeout=60,
         )  # fmt: skip
         assert done.stdout.strip() == "stopped", done.stderr

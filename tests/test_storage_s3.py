@@ -29,7 +29,6 @@ from s3kv.errors import (
     StorageError,
     ThrottledError,
 )
-from s3kv.testing.local_s3 import LocalS3, free_port
 from s3kv.storage import (
     DELETE_BATCH,
     S3Backend,
@@ -37,6 +36,7 @@ from s3kv.storage import (
     probe_conditional_put,
     translate_error,
 )
+from s3kv.testing.local_s3 import LocalS3, free_port
 
 # ----------------------------------------------------------------------------------------
 # helpers

@@ -68,8 +68,8 @@ class _Group(TyperGroup):
             code, message = _exit_code(exc)
             typer.echo(error_line(message), err=True)
         if code == _INTERRUPTED:  # typer turns Ctrl-C into this status, silently
-            typer.echo(error_line("interrupted: every s3kv command is safe to re-run; a prune "
-                                  "re-run finishes what this one started"), err=True)  # fmt: skip
+            message = "interrupted: every s3kv command is safe to re-run; a prune re-run "
+            typer.echo(error_line(message + "finishes what this one started"), err=True)
         if standalone_mode:
             sys.exit(code)
         return code

@@ -9,46 +9,40 @@ from typing import Annotated
 import typer
 from rich.console import Console
 
-from s3kv.cli.context import (
-    BucketOpt,
-    CommandError,
-    EndpointOpt,
-    JsonOpt,
-    PrefixOpt,
-    ProfileOpt,
-    runtime,
-)
+from s3kv.cli.common import Common, bucket_command
+from s3kv.cli.context import CommandError, JsonOpt, runtime
 from s3kv.cli.output import Output, table
 from s3kv.ops.doctor import DoctorReport, run_doctor
 
 __all__ = ["doctor", "local_s3_app"]
 
 
+@bucket_command(scoped=False)
 def doctor(
-    ctx: typer.Context,
+    common: Common,
     samples: Annotated[
         int, typer.Option("--samples", min=1, max=100, help="HEAD requests for latency.")
     ] = 5,
-    bucket: BucketOpt = None,
-    prefix: PrefixOpt = None,
-    endpoint_url: EndpointOpt = None,
-    profile: ProfileOpt = None,
-    json_out: JsonOpt = False,
 ) -> None:
     """Check settings, credentials, bucket, permissions, conditional writes and latency.
 
     Permissions are tried on a scratch object under <prefix>/.s3kv-probe/ that is deleted
     afterwards. Exits 1 if any check fails; every failure comes with its remedy.
     """
-    rt = runtime(ctx)
-    overrides = {"bucket": bucket, "prefix": prefix, "endpoint_url": endpoint_url,
-                 "profile": profile}  # fmt: skip
-    report = run_doctor(environ=rt.environ, overrides=overrides, open_backend=rt.open_backend,
-                        samples=samples)  # fmt: skip
-    out = Output(json_out, rt)
-    document = {"command": "doctor", "ok": report.ok,
-                "settings": [vars(s) for s in report.settings],
-                "checks": [vars(c) for c in report.checks]}  # fmt: skip
+    rt = common.rt
+    report = run_doctor(
+        environ=rt.environ,
+        overrides=common.overrides(),
+        open_backend=rt.open_backend,
+        samples=samples,
+    )
+    out = common.output()
+    document = {
+        "command": "doctor",
+        "ok": report.ok,
+        "settings": [vars(s) for s in report.settings],
+        "checks": [vars(c) for c in report.checks],
+    }
     out.emit(document, lambda con: _render_doctor(con, report))
     if not report.ok:
         failed = [c.name for c in report.checks if c.status == "fail"]
@@ -100,13 +94,21 @@ def local_start(
     # NOTE: not die_with_parent: the server must outlive this short-lived command.
     server = LocalS3.start(data_dir, port=port, bucket=bucket)
     env = server.env()
-    document = {"command": "local-s3 start", "pid": server.pid, "endpoint": server.endpoint,
-                "bucket": server.bucket, "data_dir": str(server.data_dir), "env": env}  # fmt: skip
+    document = {
+        "command": "local-s3 start",
+        "pid": server.pid,
+        "endpoint": server.endpoint,
+        "bucket": server.bucket,
+        "data_dir": str(server.data_dir),
+        "env": env,
+    }
 
     def render(con: Console) -> None:
         # NOTE: plain print: the lines must stay eval-able (no wrapping, no markup).
-        typer.echo(f"# local S3 (pid {server.pid}) at {server.endpoint}, bucket "
-                   f"{server.bucket}, ready in {server.startup_seconds:.1f}s")  # fmt: skip
+        typer.echo(
+            f"# local S3 (pid {server.pid}) at {server.endpoint}, bucket "
+            f"{server.bucket}, ready in {server.startup_seconds:.1f}s"
+        )
         for name, value in env.items():
             typer.echo(f"export {name}={shlex.quote(value)}")
 
@@ -140,16 +142,24 @@ def local_status(
     from s3kv.testing.local_s3 import status
 
     found = status(data_dir)
-    document = {"command": "local-s3 status", "running": found.running,
-                "answering": found.answering, "pid": found.pid, "endpoint": found.endpoint,
-                "bucket": found.bucket, "data_dir": str(found.data_dir)}  # fmt: skip
+    document = {
+        "command": "local-s3 status",
+        "running": found.running,
+        "answering": found.answering,
+        "pid": found.pid,
+        "endpoint": found.endpoint,
+        "bucket": found.bucket,
+        "data_dir": str(found.data_dir),
+    }
 
     def render(con: Console) -> None:
         state = "running" if found.running else "not running"
         if found.running and not found.answering:
             state = "running but not answering"
-        con.print(f"{state}: pid={found.pid} endpoint={found.endpoint} bucket={found.bucket}",
-                  markup=False)  # fmt: skip
+        con.print(
+            f"{state}: pid={found.pid} endpoint={found.endpoint} bucket={found.bucket}",
+            markup=False,
+        )
 
     Output(json_out, runtime(ctx)).emit(document, render)
     if not found.running:

@@ -7,24 +7,12 @@ from typing import Annotated, Any
 import typer
 from rich.console import Console
 
-from s3kv.cli.context import (
-    BucketOpt,
-    CommandError,
-    EndpointOpt,
-    FingerprintOpt,
-    JsonOpt,
-    ModelOpt,
-    PrefixOpt,
-    ProfileOpt,
-    connect,
-    load_config,
-    runtime,
-)
+from s3kv.cli.common import Common, bucket_command
+from s3kv.cli.context import CommandError
 from s3kv.cli.output import Output, ago, human_bytes, table
 from s3kv.config import parse_duration
 from s3kv.ops.compaction import compact_scope
 from s3kv.ops.prune import PrunePlan, PruneReport, Tally, execute_prune, plan_prune
-from s3kv.ops.scope import resolve_scope
 from s3kv.ops.stats import AGE_BUCKETS, PriceTable, StatsReport, collect_stats
 from s3kv.ops.verify import VerifyReport, verify_objects
 from s3kv.storage import DELETE_BATCH
@@ -32,8 +20,9 @@ from s3kv.storage import DELETE_BATCH
 __all__ = ["compact", "prune", "stats", "verify"]
 
 
+@bucket_command()
 def prune(
-    ctx: typer.Context,
+    common: Common,
     older_than: Annotated[
         str,
         typer.Option(
@@ -51,13 +40,6 @@ def prune(
         int,
         typer.Option("--batch-size", min=1, max=DELETE_BATCH, help="Keys per DeleteObjects."),
     ] = DELETE_BATCH,
-    model: ModelOpt = None,
-    fingerprint: FingerprintOpt = None,
-    bucket: BucketOpt = None,
-    prefix: PrefixOpt = None,
-    endpoint_url: EndpointOpt = None,
-    profile: ProfileOpt = None,
-    json_out: JsonOpt = False,
 ) -> None:
     """Delete blocks no engine used within a window; pinned prefixes are kept.
 
@@ -65,20 +47,16 @@ def prune(
     The manifest snapshot is rewritten afterwards so engines stop advertising deleted keys.
     Safe to re-run: an interrupted prune finishes on the next run.
     """
-    rt = runtime(ctx)
+    rt = common.rt
     window = parse_duration(older_than, name="--older-than")
     if window <= 0:
         raise CommandError("--older-than: must be more than 0 (0 would delete every block)")
-    cfg = load_config(rt, bucket=bucket, prefix=prefix, endpoint_url=endpoint_url,
-                      profile=profile)  # fmt: skip
-    out = Output(json_out, rt)
-    with connect(rt, cfg, write=not dry_run) as backend:
-        scope = resolve_scope(backend, cfg.key_prefix, fingerprints=fingerprint or (),
-                              model=model)  # fmt: skip
-        out.scope(scope, backend.description)
+    with common.session(write=not dry_run) as s:
+        out = s.out
         with out.progress() as progress:
-            plan = plan_prune(backend, cfg.key_prefix, scope, older_than=window, clock=rt.clock,
-                              progress=progress)  # fmt: skip
+            plan = plan_prune(
+                s.backend, s.prefix, s.scope, older_than=window, clock=rt.clock, progress=progress
+            )
         if dry_run:
             report = PruneReport(plan=plan, dry_run=True)
             out.emit(_prune_json(report), lambda con: _render_prune(con, report))
@@ -86,9 +64,15 @@ def prune(
         _confirm(out, rt.can_prompt(), plan, yes=yes, above=confirm_above)
         with out.progress() as progress:
             report = execute_prune(
-                backend, plan, prefix=cfg.key_prefix, capacity=cfg.bloom_capacity,
-                fpr=cfg.bloom_fpr, clock=rt.clock, batch_size=batch_size, progress=progress,
-            )  # fmt: skip
+                s.backend,
+                plan,
+                prefix=s.prefix,
+                capacity=s.cfg.bloom_capacity,
+                fpr=s.cfg.bloom_fpr,
+                clock=rt.clock,
+                batch_size=batch_size,
+                progress=progress,
+            )
     out.emit(_prune_json(report), lambda con: _render_prune(con, report))
     if not report.complete:
         reason = _unfinished(report)
@@ -131,26 +115,44 @@ def _prune_json(report: PruneReport) -> dict[str, Any]:
     fps = []
     for fp in plan.fingerprints:
         entry: dict[str, Any] = {
-            "fingerprint": fp.fingerprint, "model": fp.model,
-            "planned": _tally(fp.to_delete), "forget_manifest_keys": len(fp.forget),
-            "kept": {"recent": _tally(fp.kept_recent), "pinned": _tally(fp.kept_pinned),
-                     "ancestor": _tally(fp.kept_ancestor), "foreign": _tally(fp.kept_foreign)},
-        }  # fmt: skip
+            "fingerprint": fp.fingerprint,
+            "model": fp.model,
+            "planned": _tally(fp.to_delete),
+            "forget_manifest_keys": len(fp.forget),
+            "kept": {
+                "recent": _tally(fp.kept_recent),
+                "pinned": _tally(fp.kept_pinned),
+                "ancestor": _tally(fp.kept_ancestor),
+                "foreign": _tally(fp.kept_foreign),
+            },
+        }
         if (o := outcomes.get(fp.fingerprint)) is not None:
             entry.update(
-                deleted=_tally(o.deleted), failed=_tally(o.failed),
-                not_attempted=_tally(o.not_attempted), failures=[list(f) for f in o.failures],
-                manifest={"generation": o.manifest_generation,
-                          "keys_dropped": o.manifest_keys_dropped, "error": o.manifest_error},
-            )  # fmt: skip
+                deleted=_tally(o.deleted),
+                failed=_tally(o.failed),
+                not_attempted=_tally(o.not_attempted),
+                failures=[list(f) for f in o.failures],
+                manifest={
+                    "generation": o.manifest_generation,
+                    "keys_dropped": o.manifest_keys_dropped,
+                    "error": o.manifest_error,
+                },
+            )
         fps.append(entry)
     return {
-        "command": "prune", "dry_run": report.dry_run, "now": plan.now,
-        "older_than_s": plan.older_than, "cutoff": plan.cutoff,
-        "planned": _tally(plan.to_delete), "kept": _tally(plan.kept),
-        "deleted": _tally(report.deleted), "failed": _tally(report.failed),
-        "complete": report.complete, "interrupted": report.interrupted, "fingerprints": fps,
-    }  # fmt: skip
+        "command": "prune",
+        "dry_run": report.dry_run,
+        "now": plan.now,
+        "older_than_s": plan.older_than,
+        "cutoff": plan.cutoff,
+        "planned": _tally(plan.to_delete),
+        "kept": _tally(plan.kept),
+        "deleted": _tally(report.deleted),
+        "failed": _tally(report.failed),
+        "complete": report.complete,
+        "interrupted": report.interrupted,
+        "fingerprints": fps,
+    }
 
 
 def _render_prune(con: Console, report: PruneReport) -> None:
@@ -159,17 +161,27 @@ def _render_prune(con: Console, report: PruneReport) -> None:
     cols = ["fingerprint", "model", "#to delete", "#bytes", "#kept", "#pinned", "#bytes kept"]
     t = table(f"{title}: last use older than {ago(plan.older_than)}", *cols)
     for fp in plan.fingerprints:
-        t.add_row(fp.fingerprint, fp.model or "?", str(fp.to_delete.objects),
-                  human_bytes(fp.to_delete.bytes), str(fp.kept.objects),
-                  str(fp.kept_pinned.objects), human_bytes(fp.kept.bytes))  # fmt: skip
+        t.add_row(
+            fp.fingerprint,
+            fp.model or "?",
+            str(fp.to_delete.objects),
+            human_bytes(fp.to_delete.bytes),
+            str(fp.kept.objects),
+            str(fp.kept_pinned.objects),
+            human_bytes(fp.kept.bytes),
+        )
     con.print(t)
     if report.dry_run:
-        con.print(f"would delete {plan.to_delete.objects} objects "
-                  f"({human_bytes(plan.to_delete.bytes)}), keep {plan.kept.objects}")  # fmt: skip
+        con.print(
+            f"would delete {plan.to_delete.objects} objects "
+            f"({human_bytes(plan.to_delete.bytes)}), keep {plan.kept.objects}"
+        )
         return
-    con.print(f"deleted {report.deleted.objects} objects ({human_bytes(report.deleted.bytes)}), "
-              f"kept {plan.kept.objects} ({human_bytes(plan.kept.bytes)}), "
-              f"failed {report.failed.objects} ({human_bytes(report.failed.bytes)})")  # fmt: skip
+    con.print(
+        f"deleted {report.deleted.objects} objects ({human_bytes(report.deleted.bytes)}), "
+        f"kept {plan.kept.objects} ({human_bytes(plan.kept.bytes)}), "
+        f"failed {report.failed.objects} ({human_bytes(report.failed.bytes)})"
+    )
     for o in report.outcomes:
         for key, reason in o.failures:
             con.print(f"  failed: {key}: {reason}", markup=False)
@@ -179,8 +191,9 @@ def _render_prune(con: Console, report: PruneReport) -> None:
         con.print(f"stopped early: {report.interrupted}", markup=False)
 
 
+@bucket_command()
 def stats(
-    ctx: typer.Context,
+    common: Common,
     sample: Annotated[
         int,
         typer.Option(
@@ -198,65 +211,89 @@ def stats(
             "put_per_1000, get_per_1000, name. Default: AWS S3 Standard us-east-1.",
         ),
     ] = None,
-    model: ModelOpt = None,
-    fingerprint: FingerprintOpt = None,
-    bucket: BucketOpt = None,
-    prefix: PrefixOpt = None,
-    endpoint_url: EndpointOpt = None,
-    profile: ProfileOpt = None,
-    json_out: JsonOpt = False,
 ) -> None:
     """Per fingerprint: objects, bytes, compression, age and last-use histograms, hits,
     pins, and the estimated monthly cost."""
-    rt = runtime(ctx)
     table_ = PriceTable.from_file(prices) if prices else PriceTable()
-    cfg = load_config(rt, bucket=bucket, prefix=prefix, endpoint_url=endpoint_url,
-                      profile=profile)  # fmt: skip
-    out = Output(json_out, rt)
-    with connect(rt, cfg, write=False) as backend:
-        scope = resolve_scope(backend, cfg.key_prefix, fingerprints=fingerprint or (),
-                              model=model)  # fmt: skip
-        out.scope(scope, backend.description)
-        with out.progress() as progress:
-            report = collect_stats(backend, scope, prefix=cfg.key_prefix, prices=table_,
-                                   sample=sample, clock=rt.clock, progress=progress)  # fmt: skip
+    with common.session(write=False) as s, s.out.progress() as progress:
+        report = collect_stats(
+            s.backend,
+            s.scope,
+            prefix=s.prefix,
+            prices=table_,
+            sample=sample,
+            clock=common.rt.clock,
+            progress=progress,
+        )
     document = {
-        "command": "stats", "now": report.now, "prices": vars(report.prices),
-        "objects": report.objects, "stored_bytes": report.stored_bytes,
+        "command": "stats",
+        "now": report.now,
+        "prices": vars(report.prices),
+        "objects": report.objects,
+        "stored_bytes": report.stored_bytes,
         "usd_month": report.usd_month,
         "fingerprints": [vars(fp) for fp in report.fingerprints],
-    }  # fmt: skip
-    out.emit(document, lambda con: _render_stats(con, report))
+    }
+    s.out.emit(document, lambda con: _render_stats(con, report))
 
 
 def _render_stats(con: Console, report: StatsReport) -> None:
-    cols = ["fingerprint", "model", "#objects", "#stored", "#raw", "#ratio", "#hits", "#pins",
-            "#USD/month"]  # fmt: skip
+    cols = [
+        "fingerprint",
+        "model",
+        "#objects",
+        "#stored",
+        "#raw",
+        "#ratio",
+        "#hits",
+        "#pins",
+        "#USD/month",
+    ]
     t = table("stats", *cols)
     for fp in report.fingerprints:
         ratio = f"{fp.ratio:.2f}x" if fp.ratio else "-"
         usd = fp.storage_usd_month + fp.requests_usd_month
-        t.add_row(fp.fingerprint, fp.model or "?", str(fp.objects), human_bytes(fp.stored_bytes),
-                  human_bytes(fp.raw_bytes), ratio, str(fp.hits), str(fp.pins),
-                  f"{usd:.2f}")  # fmt: skip
+        t.add_row(
+            fp.fingerprint,
+            fp.model or "?",
+            str(fp.objects),
+            human_bytes(fp.stored_bytes),
+            human_bytes(fp.raw_bytes),
+            ratio,
+            str(fp.hits),
+            str(fp.pins),
+            f"{usd:.2f}",
+        )
     con.print(t)
     labels = [label for label, _ in AGE_BUCKETS]
-    hist = table("objects by age | by time since last use", "fingerprint",
-                 *(f"#{x}" for x in labels), "|", *(f"#{x}" for x in labels))  # fmt: skip
+    hist = table(
+        "objects by age | by time since last use",
+        "fingerprint",
+        *(f"#{x}" for x in labels),
+        "|",
+        *(f"#{x}" for x in labels),
+    )
     for fp in report.fingerprints:
-        hist.add_row(fp.fingerprint, *(str(fp.age[x]) for x in labels), "|",
-                     *(str(fp.last_use[x]) for x in labels))  # fmt: skip
+        hist.add_row(
+            fp.fingerprint,
+            *(str(fp.age[x]) for x in labels),
+            "|",
+            *(str(fp.last_use[x]) for x in labels),
+        )
     con.print(hist)
     for fp in report.fingerprints:
         if fp.manifest_error:
             con.print(f"manifest {fp.fingerprint}: {fp.manifest_error}", markup=False)
     sources = ", ".join(sorted({fp.raw_source for fp in report.fingerprints})) or "-"
-    con.print(f"raw bytes: {sources}; "
-              f"prices: {report.prices.name}; total ~{report.usd_month:.2f} USD/month")  # fmt: skip
+    con.print(
+        f"raw bytes: {sources}; "
+        f"prices: {report.prices.name}; total ~{report.usd_month:.2f} USD/month"
+    )
 
 
+@bucket_command()
 def verify(
-    ctx: typer.Context,
+    common: Common,
     sample: Annotated[
         int, typer.Option("--sample", min=1, help="Objects per fingerprint, chosen at random.")
     ] = 100,
@@ -265,51 +302,52 @@ def verify(
     delete_corrupt: Annotated[
         bool, typer.Option("--delete-corrupt", help="Delete corrupt and foreign objects.")
     ] = False,
-    model: ModelOpt = None,
-    fingerprint: FingerprintOpt = None,
-    bucket: BucketOpt = None,
-    prefix: PrefixOpt = None,
-    endpoint_url: EndpointOpt = None,
-    profile: ProfileOpt = None,
-    json_out: JsonOpt = False,
 ) -> None:
     """Read objects back and verify header and checksum as an engine would.
 
     Exits 1 if corrupt or foreign objects remain in the bucket.
     """
-    rt = runtime(ctx)
-    cfg = load_config(rt, bucket=bucket, prefix=prefix, endpoint_url=endpoint_url,
-                      profile=profile)  # fmt: skip
-    out = Output(json_out, rt)
-    with connect(rt, cfg, write=delete_corrupt) as backend:
-        scope = resolve_scope(backend, cfg.key_prefix, fingerprints=fingerprint or (),
-                              model=model)  # fmt: skip
-        out.scope(scope, backend.description)
-        with out.progress() as progress:
-            report = verify_objects(
-                backend, scope, prefix=cfg.key_prefix, sample=None if all_ else sample,
-                seed=seed, delete=delete_corrupt, capacity=cfg.bloom_capacity,
-                fpr=cfg.bloom_fpr, threads=cfg.io_threads, clock=rt.clock, progress=progress,
-            )  # fmt: skip
+    with common.session(write=delete_corrupt) as s, s.out.progress() as progress:
+        report = verify_objects(
+            s.backend,
+            s.scope,
+            prefix=s.prefix,
+            sample=None if all_ else sample,
+            seed=seed,
+            delete=delete_corrupt,
+            capacity=s.cfg.bloom_capacity,
+            fpr=s.cfg.bloom_fpr,
+            threads=s.cfg.io_threads,
+            clock=common.rt.clock,
+            progress=progress,
+        )
     document = {
-        "command": "verify", "listed": report.listed, "checked": report.checked,
-        "ok": report.ok, "gone": report.gone, "corrupt": report.count("corrupt"),
-        "foreign": report.count("foreign"), "unsupported": report.count("unsupported"),
-        "remaining": report.remaining, "findings": [vars(f) for f in report.findings],
+        "command": "verify",
+        "listed": report.listed,
+        "checked": report.checked,
+        "ok": report.ok,
+        "gone": report.gone,
+        "corrupt": report.count("corrupt"),
+        "foreign": report.count("foreign"),
+        "unsupported": report.count("unsupported"),
+        "remaining": report.remaining,
+        "findings": [vars(f) for f in report.findings],
         "delete_failures": [list(f) for f in report.delete_failures],
         "manifest_errors": list(report.manifest_errors),
-    }  # fmt: skip
-    out.emit(document, lambda con: _render_verify(con, report))
+    }
+    s.out.emit(document, lambda con: _render_verify(con, report))
     if report.remaining or report.delete_failures:
         fix = "see --delete-corrupt" if not delete_corrupt else "the deletions failed"
         raise CommandError(f"{report.remaining} corrupt or foreign objects remain ({fix})", 1)
 
 
 def _render_verify(con: Console, report: VerifyReport) -> None:
-    con.print(f"checked {report.checked} of {report.listed} objects: {report.ok} ok, "
-              f"{report.count('corrupt')} corrupt, {report.count('foreign')} foreign, "
-              f"{report.count('unsupported')} of another format version, "
-              f"{report.gone} deleted meanwhile")  # fmt: skip
+    con.print(
+        f"checked {report.checked} of {report.listed} objects: {report.ok} ok, "
+        f"{report.count('corrupt')} corrupt, {report.count('foreign')} foreign, "
+        f"{report.count('unsupported')} of another format version, "
+        f"{report.gone} deleted meanwhile"
+    )
     if report.findings:
         t = table("findings", "verdict", "kind", "#bytes", "deleted", "key")
         for f in report.findings:
@@ -319,32 +357,25 @@ def _render_verify(con: Console, report: VerifyReport) -> None:
         con.print(line, markup=False)
 
 
+@bucket_command()
 def compact(
-    ctx: typer.Context,
+    common: Common,
     full: Annotated[
         bool, typer.Option("--full", help="Also fold in a listing of every block object.")
     ] = False,
-    model: ModelOpt = None,
-    fingerprint: FingerprintOpt = None,
-    bucket: BucketOpt = None,
-    prefix: PrefixOpt = None,
-    endpoint_url: EndpointOpt = None,
-    profile: ProfileOpt = None,
-    json_out: JsonOpt = False,
 ) -> None:
     """Rebuild each manifest snapshot from its segments (and a listing with --full)."""
-    rt = runtime(ctx)
-    cfg = load_config(rt, bucket=bucket, prefix=prefix, endpoint_url=endpoint_url,
-                      profile=profile)  # fmt: skip
-    out = Output(json_out, rt)
-    with connect(rt, cfg, write=True) as backend:
-        scope = resolve_scope(backend, cfg.key_prefix, fingerprints=fingerprint or (),
-                              model=model)  # fmt: skip
-        out.scope(scope, backend.description)
-        with out.progress() as progress:
-            report = compact_scope(backend, scope, prefix=cfg.key_prefix,
-                                   capacity=cfg.bloom_capacity, fpr=cfg.bloom_fpr, full=full,
-                                   clock=rt.clock, progress=progress)  # fmt: skip
+    with common.session(write=True) as s, s.out.progress() as progress:
+        report = compact_scope(
+            s.backend,
+            s.scope,
+            prefix=s.prefix,
+            capacity=s.cfg.bloom_capacity,
+            fpr=s.cfg.bloom_fpr,
+            full=full,
+            clock=common.rt.clock,
+            progress=progress,
+        )
     document = {
         "command": "compact",
         "full": report.full,
@@ -352,15 +383,31 @@ def compact(
     }
 
     def render(con: Console) -> None:
-        t = table("compact" + (" --full" if full else ""), "fingerprint", "#generation",
-                  "#keys", "#segments folded", "#segments deleted", "#listed", "note")  # fmt: skip
+        t = table(
+            "compact" + (" --full" if full else ""),
+            "fingerprint",
+            "#generation",
+            "#keys",
+            "#segments folded",
+            "#segments deleted",
+            "#listed",
+            "note",
+        )
         for fp, r in report.reports:
-            note = "another compactor won: re-run" if r.lost_race else (
-                "over bloom_capacity" if r.over_capacity else "")  # fmt: skip
-            t.add_row(fp, str(r.generation), str(r.keys), str(r.segments_folded),
-                      str(r.segments_deleted), str(r.listing_keys), note)  # fmt: skip
+            note = "over bloom_capacity" if r.over_capacity else ""
+            if r.lost_race:
+                note = "another compactor won: re-run"
+            t.add_row(
+                fp,
+                str(r.generation),
+                str(r.keys),
+                str(r.segments_folded),
+                str(r.segments_deleted),
+                str(r.listing_keys),
+                note,
+            )
         con.print(t)
 
-    out.emit(document, render)
+    s.out.emit(document, render)
     if report.lost_races:
         raise typer.Exit(1)

@@ -9,21 +9,9 @@ from typing import Annotated
 import typer
 from rich.console import Console
 
-from s3kv.cli.context import (
-    BucketOpt,
-    CommandError,
-    EndpointOpt,
-    FingerprintOpt,
-    JsonOpt,
-    ModelOpt,
-    PrefixOpt,
-    ProfileOpt,
-    Runtime,
-    connect,
-    load_config,
-    runtime,
-)
-from s3kv.cli.output import Output, iso, table
+from s3kv.cli.common import Common, bucket_command
+from s3kv.cli.context import CommandError
+from s3kv.cli.output import iso, table
 from s3kv.ops.pins import (
     PinReport,
     PinTarget,
@@ -33,7 +21,7 @@ from s3kv.ops.pins import (
     load_tokenizer,
     set_pins,
 )
-from s3kv.ops.scope import Fingerprint, resolve_scope
+from s3kv.ops.scope import Fingerprint
 
 __all__ = ["pin", "pins", "unpin"]
 
@@ -45,102 +33,90 @@ KeysArg = Annotated[
 ]
 TextOpt = Annotated[
     Path | None,
-    typer.Option("--text", help="File holding the prompt text ('-' for stdin).",
-                 rich_help_panel=_BY_TEXT, allow_dash=True),
-]  # fmt: skip
+    typer.Option(
+        "--text",
+        help="File holding the prompt text ('-' for stdin).",
+        rich_help_panel=_BY_TEXT,
+        allow_dash=True,
+    ),
+]
 TokenizerOpt = Annotated[
     str | None,
-    typer.Option("--tokenizer", help="Tokenizer directory or Hugging Face model name.",
-                 rich_help_panel=_BY_TEXT),
-]  # fmt: skip
+    typer.Option(
+        "--tokenizer",
+        help="Tokenizer directory or Hugging Face model name.",
+        rich_help_panel=_BY_TEXT,
+    ),
+]
 TokensPerBlockOpt = Annotated[
     int | None,
-    typer.Option("--tokens-per-block", min=1, rich_help_panel=_BY_TEXT,
-                 help="Tokens per block (default: from the fingerprint's identity.json)."),
-]  # fmt: skip
+    typer.Option(
+        "--tokens-per-block",
+        min=1,
+        rich_help_panel=_BY_TEXT,
+        help="Tokens per block (default: from the fingerprint's identity.json).",
+    ),
+]
 SpecialOpt = Annotated[
     bool,
-    typer.Option("--special-tokens/--no-special-tokens", rich_help_panel=_BY_TEXT,
-                 help="Let the tokenizer add its special tokens (BOS...), as engines do."),
-]  # fmt: skip
+    typer.Option(
+        "--special-tokens/--no-special-tokens",
+        rich_help_panel=_BY_TEXT,
+        help="Let the tokenizer add its special tokens (BOS...), as engines do.",
+    ),
+]
 
 
+@bucket_command()
 def pin(
-    ctx: typer.Context,
+    common: Common,
     keys: KeysArg = None,
     text: TextOpt = None,
     tokenizer: TokenizerOpt = None,
     tokens_per_block: TokensPerBlockOpt = None,
     special_tokens: SpecialOpt = True,
-    model: ModelOpt = None,
-    fingerprint: FingerprintOpt = None,
-    bucket: BucketOpt = None,
-    prefix: PrefixOpt = None,
-    endpoint_url: EndpointOpt = None,
-    profile: ProfileOpt = None,
-    json_out: JsonOpt = False,
 ) -> None:
     """Pin blocks so prune keeps them (with their prefix) and warm start stages them first.
 
     Name the blocks by key, or give prompt text and a tokenizer: every full block of the
     text is pinned. Exits 1 if no named block exists in any fingerprint in scope.
     """
-    _set(runtime(ctx), True, keys, text, tokenizer, tokens_per_block, special_tokens, model,
-         fingerprint, bucket, prefix, endpoint_url, profile, json_out)  # fmt: skip
+    _set(common, _targets(keys, text, tokenizer, tokens_per_block, special_tokens), on=True)
 
 
+@bucket_command()
 def unpin(
-    ctx: typer.Context,
+    common: Common,
     keys: KeysArg = None,
     text: TextOpt = None,
     tokenizer: TokenizerOpt = None,
     tokens_per_block: TokensPerBlockOpt = None,
     special_tokens: SpecialOpt = True,
-    model: ModelOpt = None,
-    fingerprint: FingerprintOpt = None,
-    bucket: BucketOpt = None,
-    prefix: PrefixOpt = None,
-    endpoint_url: EndpointOpt = None,
-    profile: ProfileOpt = None,
-    json_out: JsonOpt = False,
 ) -> None:
     """Undo pin (by key or by prompt text, as for pin)."""
-    _set(runtime(ctx), False, keys, text, tokenizer, tokens_per_block, special_tokens, model,
-         fingerprint, bucket, prefix, endpoint_url, profile, json_out)  # fmt: skip
+    _set(common, _targets(keys, text, tokenizer, tokens_per_block, special_tokens), on=False)
 
 
 def _set(
-    rt: Runtime,
-    on: bool,
-    keys: list[str] | None,
-    text: Path | None,
-    tokenizer: str | None,
-    tokens_per_block: int | None,
-    special_tokens: bool,
-    model: str | None,
-    fingerprint: list[str] | None,
-    bucket: str | None,
-    prefix: str | None,
-    endpoint_url: str | None,
-    profile: str | None,
-    json_out: bool,
+    common: Common, targets_for: Callable[[Fingerprint], Sequence[PinTarget]], *, on: bool
 ) -> None:
-    targets_for = _targets(keys, text, tokenizer, tokens_per_block, special_tokens)
-    cfg = load_config(rt, bucket=bucket, prefix=prefix, endpoint_url=endpoint_url,
-                      profile=profile)  # fmt: skip
-    out = Output(json_out, rt)
-    with connect(rt, cfg, write=True) as backend:
-        scope = resolve_scope(backend, cfg.key_prefix, fingerprints=fingerprint or (),
-                              model=model)  # fmt: skip
-        out.scope(scope, backend.description)
-        report = set_pins(backend, scope, targets_for, prefix=cfg.key_prefix, pin=on,
-                          clock=rt.clock)  # fmt: skip
-    document = {"command": "pin" if on else "unpin", "found_any": report.found_any,
-                "fingerprints": [vars(o) for o in report.outcomes]}  # fmt: skip
+    """Pin (``on``) or unpin the targets in scope, print, exit 1 if none exists."""
+    with common.session(write=True) as s:
+        report = set_pins(
+            s.backend, s.scope, targets_for, prefix=s.prefix, pin=on, clock=common.rt.clock
+        )
+    out = s.out
+    document = {
+        "command": "pin" if on else "unpin",
+        "found_any": report.found_any,
+        "fingerprints": [vars(o) for o in report.outcomes],
+    }
     out.emit(document, lambda con: _render_set(con, report))
     if not report.found_any:
-        out.note("none of the blocks exists in any fingerprint in scope (wrong --model, "
-                 "--tokens-per-block or tokenizer?)")  # fmt: skip
+        out.note(
+            "none of the blocks exists in any fingerprint in scope (wrong --model, "
+            "--tokens-per-block or tokenizer?)"
+        )
         raise typer.Exit(1)
 
 
@@ -167,8 +143,10 @@ def _targets(
     def from_text(fp: Fingerprint) -> list[PinTarget]:
         size = tokens_per_block or fp.tokens_per_block
         if size is None:
-            raise CommandError(f"fingerprint {fp.fingerprint} has no identity.json giving "
-                               "tokens_per_block: pass --tokens-per-block")  # fmt: skip
+            raise CommandError(
+                f"fingerprint {fp.fingerprint} has no identity.json giving "
+                "tokens_per_block: pass --tokens-per-block"
+            )
         return keys_from_text(prompt, tok, size, add_special_tokens=special_tokens)
 
     return from_text
@@ -187,38 +165,39 @@ def _render_set(con: Console, report: PinReport) -> None:
     verb = "pinned" if report.pin else "unpinned"
     t = table(verb, "fingerprint", "#requested", f"#{verb}", "#already", "#adopted", "#missing")
     for o in report.outcomes:
-        t.add_row(o.fingerprint, str(o.requested), str(o.changed), str(o.unchanged),
-                  str(o.adopted), str(o.missing))  # fmt: skip
+        t.add_row(
+            o.fingerprint,
+            str(o.requested),
+            str(o.changed),
+            str(o.unchanged),
+            str(o.adopted),
+            str(o.missing),
+        )
     con.print(t)
 
 
+@bucket_command()
 def pins(
-    ctx: typer.Context,
-    model: ModelOpt = None,
-    fingerprint: FingerprintOpt = None,
-    bucket: BucketOpt = None,
-    prefix: PrefixOpt = None,
-    endpoint_url: EndpointOpt = None,
-    profile: ProfileOpt = None,
-    json_out: JsonOpt = False,
+    common: Common,
 ) -> None:
     """List pinned blocks."""
-    rt = runtime(ctx)
-    cfg = load_config(rt, bucket=bucket, prefix=prefix, endpoint_url=endpoint_url,
-                      profile=profile)  # fmt: skip
-    out = Output(json_out, rt)
-    with connect(rt, cfg, write=False) as backend:
-        scope = resolve_scope(backend, cfg.key_prefix, fingerprints=fingerprint or (),
-                              model=model)  # fmt: skip
-        out.scope(scope, backend.description)
-        found = list_pins(backend, scope, prefix=cfg.key_prefix)
+    with common.session(write=False) as s:
+        found = list_pins(s.backend, s.scope, prefix=s.prefix)
 
     def render(con: Console) -> None:
-        t = table(f"{len(found)} pinned blocks", "fingerprint", "model", "key", "#bytes",
-                  "#hits", "last used (UTC)")  # fmt: skip
+        t = table(
+            f"{len(found)} pinned blocks",
+            "fingerprint",
+            "model",
+            "key",
+            "#bytes",
+            "#hits",
+            "last used (UTC)",
+        )
         for p in found:
-            t.add_row(p.fingerprint, p.model or "?", p.key, str(p.size), str(p.hits),
-                      iso(p.last_used))  # fmt: skip
+            t.add_row(
+                p.fingerprint, p.model or "?", p.key, str(p.size), str(p.hits), iso(p.last_used)
+            )
         con.print(t)
 
-    out.emit({"command": "pins", "pins": [vars(p) for p in found]}, render)
+    s.out.emit({"command": "pins", "pins": [vars(p) for p in found]}, render)

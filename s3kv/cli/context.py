@@ -3,7 +3,8 @@
 :class:`Runtime` is the one seam tests use: ``CliRunner().invoke(app, args,
 obj=Runtime(clock=...))`` injects the clock, a backend factory (a failing backend, an
 in-memory one), the environment and whether a human is at the terminal. Commands read it
-with :func:`runtime`; in production it is all defaults.
+with :func:`runtime`; in production it is all defaults. Commands do not call the rest
+directly: :mod:`s3kv.cli.common` adds the options to them and opens the session.
 """
 
 from __future__ import annotations
@@ -131,9 +132,12 @@ def load_config(
         CommandError: no bucket is configured (a ``file://`` endpoint needs none).
     """
     cfg = S3KVConfig.load(
-        environ=rt.environ, bucket=bucket, prefix=prefix, endpoint_url=endpoint_url,
+        environ=rt.environ,
+        bucket=bucket,
+        prefix=prefix,
+        endpoint_url=endpoint_url,
         profile=profile,
-    )  # fmt: skip
+    )
     if not cfg.bucket and not is_file_url(cfg.endpoint_url):
         raise CommandError("no bucket configured: pass --bucket or set TLLM_S3KV_BUCKET")
     return cfg

@@ -67,8 +67,12 @@ def table(title: str, *columns: str) -> Table:
     for name in columns:
         numeric = name.startswith("#")
         whole = name in ("fingerprint", "key")
-        result.add_column(name.lstrip("#"), justify="right" if numeric else "left",
-                          no_wrap=whole, min_width=32 if whole else None)  # fmt: skip
+        result.add_column(
+            name.lstrip("#"),
+            justify="right" if numeric else "left",
+            no_wrap=whole,
+            min_width=32 if whole else None,
+        )
     return result
 
 
@@ -124,9 +128,13 @@ class Output:
         )
 
         with Progress(
-            TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-            TimeElapsedColumn(), console=self.err, transient=True,
-        ) as bars:  # fmt: skip
+            TextColumn("{task.description}"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TimeElapsedColumn(),
+            console=self.err,
+            transient=True,
+        ) as bars:
             tasks: dict[str, TaskID] = {}
 
             def update(phase: str, done: int, total: int | None) -> None:

@@ -83,8 +83,15 @@ def compact_scope(
                 if obj.block is not None
             ]
         try:
-            report = compact(backend, prefix, fp.fingerprint, capacity=capacity, fpr=fpr,
-                             clock=clock, full_listing_keys=listing)  # fmt: skip
+            report = compact(
+                backend,
+                prefix,
+                fp.fingerprint,
+                capacity=capacity,
+                fpr=fpr,
+                clock=clock,
+                full_listing_keys=listing,
+            )
         except CodecError as exc:
             raise CodecError(
                 f"the manifest snapshot of {fp.fingerprint} is unreadable ({exc}): "

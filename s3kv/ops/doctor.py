@@ -111,8 +111,9 @@ def run_doctor(
     settings = _settings(cfg, sources, os.environ if environ is None else environ)
     checks: list[Check] = [Check("settings", "ok", f"{len(sources)} set, the rest defaults")]
     if not cfg.bucket and not is_file_url(cfg.endpoint_url):
-        checks.append(Check("bucket", "fail", "no bucket configured",
-                            "set TLLM_S3KV_BUCKET or pass --bucket"))  # fmt: skip
+        checks.append(
+            Check("bucket", "fail", "no bucket configured", "set TLLM_S3KV_BUCKET or pass --bucket")
+        )
         return DoctorReport(settings, tuple(checks))
     checks.append(_credentials(cfg))
     try:
@@ -139,10 +140,13 @@ def _settings(
     cfg: S3KVConfig, sources: Mapping[str, str], environ: Mapping[str, str]
 ) -> tuple[Setting, ...]:
     found = [
-        Setting(f.name, _safe(getattr(cfg, f.name)),
-                sources.get(f.name, "default").replace("argument", "command line"))
+        Setting(
+            f.name,
+            _safe(getattr(cfg, f.name)),
+            sources.get(f.name, "default").replace("argument", "command line"),
+        )
         for f in fields(cfg)
-    ]  # fmt: skip
+    ]
     if not cfg.endpoint_url:
         for name in ("AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL"):
             if environ.get(name):
@@ -157,9 +161,13 @@ def _credentials(cfg: S3KVConfig) -> Check:
     except StorageError as exc:
         return Check("credentials", "fail", str(exc), _remedy(exc))
     if creds is None:
-        return Check("credentials", "fail", "no AWS credentials found",
-                     "set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, AWS_PROFILE or "
-                     "TLLM_S3KV_PROFILE, or run with an instance/container role")  # fmt: skip
+        return Check(
+            "credentials",
+            "fail",
+            "no AWS credentials found",
+            "set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, AWS_PROFILE or "
+            "TLLM_S3KV_PROFILE, or run with an instance/container role",
+        )
     if not creds.required:
         return Check("credentials", "skip", creds.source)
     return Check("credentials", "ok", f"from {creds.source}, access key id {creds.access_key_id}")
@@ -190,8 +198,9 @@ def _denied(op: str, cfg: S3KVConfig, exc: BaseException | str) -> Check:
     action, resource, who = _GRANT[op]
     prefix = cfg.key_prefix + "/" if cfg.key_prefix else ""
     where = resource.format(bucket=cfg.bucket, prefix=prefix)
-    return Check(op, "fail", f"denied: {exc}",
-                 f"grant {action} on {where} (needed by {who}); see infra/aws/")  # fmt: skip
+    return Check(
+        op, "fail", f"denied: {exc}", f"grant {action} on {where} (needed by {who}); see infra/aws/"
+    )
 
 
 def _bucket_checks(
@@ -200,8 +209,10 @@ def _bucket_checks(
     try:
         _, ms = _timed(timer, backend.check)
     except StorageError as exc:
-        return [Check("bucket", "fail", str(exc), _remedy(exc)),
-                Check("permissions", "skip", "the bucket is not reachable")]  # fmt: skip
+        return [
+            Check("bucket", "fail", str(exc), _remedy(exc)),
+            Check("permissions", "skip", "the bucket is not reachable"),
+        ]
     checks = [Check("bucket", "ok", f"{backend.description} reachable", latency_ms=ms)]
     root = cfg.key_prefix + "/" if cfg.key_prefix else ""
     scratch = f"{root}{_SCRATCH_DIR}doctor-{uuid.uuid4().hex}"
@@ -237,8 +248,12 @@ def _permission(
     if op == "delete" and getattr(result, "failed", None):
         return _denied(op, cfg, next(iter(result.failed.values())))  # type: ignore[attr-defined]
     if op == "get" and put_ok and result != payload:
-        return Check(op, "fail", "read back different bytes than written",
-                     "the endpoint or a proxy alters objects; check it")  # fmt: skip
+        return Check(
+            op,
+            "fail",
+            "read back different bytes than written",
+            "the endpoint or a proxy alters objects; check it",
+        )
     detail = "allowed" if op != "get" or put_ok else "allowed (scratch object absent)"
     return Check(op, "ok", detail, latency_ms=ms)
 
@@ -252,9 +267,13 @@ def _conditional(backend: Backend, cfg: S3KVConfig, put_ok: bool) -> Check:
         return Check("conditional write", "fail", str(exc), _remedy(exc))
     if supported:
         return Check("conditional write", "ok", "If-None-Match: * honoured (blocks written once)")
-    return Check("conditional write", "warn", "If-None-Match: * not honoured",
-                 "racing engines may write a block twice (same bytes: harmless, costs PUTs); "
-                 "use a server with conditional writes (AWS S3, MinIO, SeaweedFS 4.x)")  # fmt: skip
+    return Check(
+        "conditional write",
+        "warn",
+        "If-None-Match: * not honoured",
+        "racing engines may write a block twice (same bytes: harmless, costs PUTs); "
+        "use a server with conditional writes (AWS S3, MinIO, SeaweedFS 4.x)",
+    )
 
 
 def _latency(backend: Backend, key: str, timer: Callable[[], float], samples: int) -> Check:
@@ -267,7 +286,11 @@ def _latency(backend: Backend, key: str, timer: Callable[[], float], samples: in
     median = statistics.median(times)
     detail = f"HEAD median {median:.1f} ms, worst {max(times):.1f} ms over {len(times)}"
     if median > _SLOW_MS:
-        return Check("latency", "warn", detail,
-                     "engines pay this on every block GET: run them in the bucket's region",
-                     latency_ms=median)  # fmt: skip
+        return Check(
+            "latency",
+            "warn",
+            detail,
+            "engines pay this on every block GET: run them in the bucket's region",
+            latency_ms=median,
+        )
     return Check("latency", "ok", detail, latency_ms=median)

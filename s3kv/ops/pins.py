@@ -302,9 +302,13 @@ def list_pins(backend: Backend, scope: Sequence[Fingerprint], *, prefix: str) ->
         for row in rows[rows["pinned"] != 0]:
             parent = bytes(row["parent"])
             pinned = PinnedBlock(
-                fingerprint=fp.fingerprint, model=fp.model, key=bytes(row["key"]).hex(),
+                fingerprint=fp.fingerprint,
+                model=fp.model,
+                key=bytes(row["key"]).hex(),
                 parent=None if parent == UNKNOWN_PARENT else parent.hex(),
-                size=int(row["size"]), hits=int(row["hits"]), last_used=float(row["last_used"]),
-            )  # fmt: skip
+                size=int(row["size"]),
+                hits=int(row["hits"]),
+                last_used=float(row["last_used"]),
+            )
             found.append(pinned)
     return found

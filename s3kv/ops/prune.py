@@ -41,8 +41,15 @@ from s3kv.ops import ProgressFn, no_progress
 from s3kv.ops.scope import BlockObject, Fingerprint, list_blocks
 from s3kv.storage import DELETE_BATCH, Backend
 
-__all__ = ["FingerprintOutcome", "FingerprintPlan", "PrunePlan", "PruneReport", "Tally",
-           "execute_prune", "plan_prune"]  # fmt: skip
+__all__ = [
+    "FingerprintOutcome",
+    "FingerprintPlan",
+    "PrunePlan",
+    "PruneReport",
+    "Tally",
+    "execute_prune",
+    "plan_prune",
+]
 
 _MAX_FAILURES_REPORTED = 10
 
@@ -239,9 +246,10 @@ def _plan_fingerprint(
     progress(phase, len(objects), len(objects))
 
     recent: set[bytes] = {
-        o.block for o in objects
+        o.block
+        for o in objects
         if o.block is not None and max(o.last_modified, last_used.get(o.block, 0.0)) >= cutoff
-    }  # fmt: skip
+    }
     recent |= {key for key, used in last_used.items() if used >= cutoff}
     ancestors = _ancestors(recent | pinned, parent_of)
 
@@ -260,14 +268,20 @@ def _plan_fingerprint(
             delete.append(obj)
     present = {o.block for o in objects}
     forget = [
-        BlockHash(key) for key in keys
+        BlockHash(key)
+        for key in keys
         if key not in present and key not in pinned and key not in recent and key not in ancestors
-    ]  # fmt: skip
+    ]
     return FingerprintPlan(
-        fingerprint=fp.fingerprint, model=fp.model, delete=tuple(delete), forget=tuple(forget),
-        kept_recent=Tally.of(kept["recent"]), kept_pinned=Tally.of(kept["pinned"]),
-        kept_ancestor=Tally.of(kept["ancestor"]), kept_foreign=Tally.of(kept["foreign"]),
-    )  # fmt: skip
+        fingerprint=fp.fingerprint,
+        model=fp.model,
+        delete=tuple(delete),
+        forget=tuple(forget),
+        kept_recent=Tally.of(kept["recent"]),
+        kept_pinned=Tally.of(kept["pinned"]),
+        kept_ancestor=Tally.of(kept["ancestor"]),
+        kept_foreign=Tally.of(kept["foreign"]),
+    )
 
 
 def _usage(backend: Backend, prefix: str, fingerprint: str) -> UsageTable:
@@ -377,9 +391,12 @@ def _delete(
                 deleted.append(obj)
         advance(len(batch))
     outcome = FingerprintOutcome(
-        fp_plan.fingerprint, deleted=Tally.of(deleted), failed=Tally.of(failed),
-        not_attempted=Tally.of(pending), failures=tuple(failures[:_MAX_FAILURES_REPORTED]),
-    )  # fmt: skip
+        fp_plan.fingerprint,
+        deleted=Tally.of(deleted),
+        failed=Tally.of(failed),
+        not_attempted=Tally.of(pending),
+        failures=tuple(failures[:_MAX_FAILURES_REPORTED]),
+    )
     return outcome, deleted, interrupted
 
 
@@ -395,8 +412,15 @@ def _rewrite_manifest(
     if not drop:
         return outcome  # nothing to drop: leave the snapshot alone (a no-op re-run is free)
     try:
-        report = compact(backend, prefix, outcome.fingerprint, capacity=capacity, fpr=fpr,
-                         clock=clock, drop_keys=drop)  # fmt: skip
+        report = compact(
+            backend,
+            prefix,
+            outcome.fingerprint,
+            capacity=capacity,
+            fpr=fpr,
+            clock=clock,
+            drop_keys=drop,
+        )
     except (StorageError, CodecError) as exc:
         return replace(outcome, manifest_error=f"not rewritten ({exc}); re-run prune")
     if report.lost_race:

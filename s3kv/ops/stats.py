@@ -245,15 +245,24 @@ def _one(
         for h, t in zip(rows["hits"].tolist(), rows["first_written"].tolist(), strict=True)
     )
     return FingerprintStats(
-        fingerprint=fp.fingerprint, model=fp.model, objects=len(blocks), stored_bytes=stored,
-        raw_bytes=raw, raw_source=source,
+        fingerprint=fp.fingerprint,
+        model=fp.model,
+        objects=len(blocks),
+        stored_bytes=stored,
+        raw_bytes=raw,
+        raw_source=source,
         ratio=None if raw is None or not stored else raw / stored,
-        age=age, last_use=last_use, hits=hits, pins=int(rows["pinned"].sum()),
-        manifest_keys=len(rows), unmanifested=sum(1 for o in blocks if o.block not in first),
-        foreign=len(objects) - len(blocks), manifest_error=manifest_error,
+        age=age,
+        last_use=last_use,
+        hits=hits,
+        pins=int(rows["pinned"].sum()),
+        manifest_keys=len(rows),
+        unmanifested=sum(1 for o in blocks if o.block not in first),
+        foreign=len(objects) - len(blocks),
+        manifest_error=manifest_error,
         storage_usd_month=stored / _GIB * prices.storage_per_gib_month,
         requests_usd_month=puts / 1000 * prices.put_per_1000 + gets / 1000 * prices.get_per_1000,
-    )  # fmt: skip
+    )
 
 
 def _histogram(ages: Iterable[float]) -> dict[str, int]:

@@ -151,9 +151,12 @@ def verify_objects(
             progress("verify", len(results), len(chosen))
     findings = [r for r in results if isinstance(r, Finding)]
     report = VerifyReport(
-        listed=listed, checked=len(chosen), ok=results.count("ok"), gone=results.count("gone"),
+        listed=listed,
+        checked=len(chosen),
+        ok=results.count("ok"),
+        gone=results.count("gone"),
         findings=tuple(findings),
-    )  # fmt: skip
+    )
     if delete and any(f.verdict in _DELETABLE for f in findings):
         report = _delete(backend, report, prefix, capacity, fpr, clock)
     return report
@@ -162,8 +165,14 @@ def verify_objects(
 def _check(backend: Backend, item: tuple[str, BlockObject]) -> Finding | str:
     fingerprint, obj = item
     if obj.block is None:
-        return Finding(obj.key, fingerprint, "foreign", "not_a_block_key",
-                       "key is not a block key; engines never read it", obj.size)  # fmt: skip
+        return Finding(
+            obj.key,
+            fingerprint,
+            "foreign",
+            "not_a_block_key",
+            "key is not a block key; engines never read it",
+            obj.size,
+        )
     data = backend.get(obj.key)
     if data is None:
         return "gone"
@@ -197,8 +206,15 @@ def _delete(
             by_fp.setdefault(f.fingerprint, []).append(parsed[1])
     for fingerprint, keys in by_fp.items():
         try:
-            done = compact(backend, prefix, fingerprint, capacity=capacity, fpr=fpr,
-                           clock=clock, drop_keys=keys)  # fmt: skip
+            done = compact(
+                backend,
+                prefix,
+                fingerprint,
+                capacity=capacity,
+                fpr=fpr,
+                clock=clock,
+                drop_keys=keys,
+            )
         except (StorageError, CodecError) as exc:
             manifest_errors.append(f"{fingerprint}: manifest not rewritten ({exc})")
             continue
@@ -209,7 +225,11 @@ def _delete(
         for f in report.findings
     )
     return VerifyReport(
-        listed=report.listed, checked=report.checked, ok=report.ok, gone=report.gone,
-        findings=findings, delete_failures=tuple(result.failed.items()),
+        listed=report.listed,
+        checked=report.checked,
+        ok=report.ok,
+        gone=report.gone,
+        findings=findings,
+        delete_failures=tuple(result.failed.items()),
         manifest_errors=tuple(manifest_errors),
-    )  # fmt: skip
+    )

@@ -5,7 +5,9 @@ interpreter. :meth:`LocalS3.start` runs ``weed server`` (master, volume, filer a
 in one process) bound to 127.0.0.1 with **every** port chosen free, so parallel test runs never
 collide, waits until a PUT really works, creates the bucket and records the server in
 ``<data_dir>/local-s3.json`` so that :func:`status` and :func:`stop_from_state` work from
-another process (the CLI). The server logs to ``<data_dir>/weed.log``.
+another process. The server logs to ``<data_dir>/weed.log``. The command line is the operator
+CLI's ``s3kv local-s3 start|stop|status`` (:mod:`s3kv.cli.cmd_admin`), the one product module
+that imports this harness.
 
 Facts about ``weed server`` 4.48 that shape the command line:
 
@@ -46,6 +48,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
+from s3kv.errors import S3KVError, StorageError
 from s3kv.testing._procutil import (
     alive,
     cmdline,
@@ -54,7 +57,6 @@ from s3kv.testing._procutil import (
     parent_death_signal,
     port_open,
 )
-from s3kv.errors import S3KVError, StorageError
 
 if TYPE_CHECKING:
     from mypy_boto3_s3.client import S3Client
@@ -571,39 +573,5 @@ def _is_our_weed(pid: int, root: Path) -> bool:
     return argv[0].endswith(b"weed") and f"-dir={root}".encode() in argv
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m s3kv.testing.local_s3 {start,stop,status,env} --dir DIR``: thin; prints, exits."""
-    import argparse
-
-    parser = argparse.ArgumentParser(prog="python -m s3kv.testing.local_s3", description=__doc__)
-    parser.add_argument("command", choices=("start", "stop", "status", "env"))
-    parser.add_argument("--dir", default=".s3kv-local", help="data directory")
-    parser.add_argument("--port", type=int, default=0, help="S3 port (default: a free one)")
-    parser.add_argument("--bucket", default=DEFAULT_BUCKET)
-    parser.add_argument("--grace", type=float, default=10.0, help="seconds before SIGKILL")
-    args = parser.parse_args(argv)
-    try:
-        if args.command == "start":
-            server = LocalS3.start(args.dir, port=args.port, bucket=args.bucket)
-            print(f"# local S3 pid {server.pid} ready in {server.startup_seconds:.1f}s")
-        if args.command in ("start", "env"):
-            for name, value in LocalS3.from_state(args.dir).env().items():
-                print(f"export {name}={value}")
-        elif args.command == "stop":
-            print("stopped" if stop_from_state(args.dir, grace=args.grace) else "not running")
-        elif args.command == "status":
-            found = status(args.dir)
-            state = "running" if found.running else "not running"
-            print(f"{state} pid={found.pid} endpoint={found.endpoint} bucket={found.bucket}")
-            return 0 if found.running else 1
-    except S3KVError as exc:
-        print(f"Error: {exc}", file=sys.stderr)
-        return 2
-    return 0
-
-
 __all__ = ["LocalS3", "LocalS3Error", "LocalS3Status", "find_weed_binary", "free_port",
-           "main", "status", "stop_from_state"]  # fmt: skip
-
-if __name__ == "__main__":
-    sys.exit(main())
+           "status", "stop_from_state"]  # fmt: skip

@@ -299,8 +299,8 @@ class KvCacheConnectorManager:
         """``build_connector_meta`` on the leader, broadcast, bind on every worker.
 
         A no-op without a scheduler output since the last call (main's executor calls it
-        every iteration, see :mod:`s3kv.testing.emulator.loop`); :attr:`handle_metadata_calls` counts
-        every call.
+        every iteration, see :mod:`s3kv.testing.emulator.loop`); :attr:`handle_metadata_calls`
+        counts every call.
         """
         self.handle_metadata_calls += 1
         if self._scheduler_output is None:

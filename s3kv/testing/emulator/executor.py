@@ -269,7 +269,8 @@ class PyExecutorEmulator:
         """Queue one request; returns its id. Nothing runs until the loop is driven.
 
         ``lora_task_id``, ``multimodal`` and ``prompt_table`` are what the connector sees on
-        the request (see :class:`~s3kv.testing.emulator.request.LlmRequest`); the model ignores them.
+        the request (see :class:`~s3kv.testing.emulator.request.LlmRequest`); the model
+        ignores them.
 
         Raises:
             ValueError: Empty prompt, a token outside the vocabulary, a prompt longer than

@@ -52,7 +52,13 @@ import math
 from typing import Any
 
 from s3kv.testing.emulator.blocks import NoFreeBlocksError
-from s3kv.testing.emulator.kv_cache_manager import KVCacheManager, PrefixStats, _chop, _root, _Sequence
+from s3kv.testing.emulator.kv_cache_manager import (
+    KVCacheManager,
+    PrefixStats,
+    _chop,
+    _root,
+    _Sequence,
+)
 from s3kv.testing.emulator.layout import KvCacheLayout, layout_of_pool
 from s3kv.testing.emulator.request import LlmRequest
 from s3kv.testing.emulator.scheduler import ScheduledRequests
