@@ -37,7 +37,7 @@ from s3kv._logonce import LogOnce
 from s3kv.config import S3KVConfig
 from s3kv.errors import CodecError, SizeMismatchError, StorageError
 from s3kv.keys import BlockHash, ModelIdentity, block_object_key, identity_object_key
-from s3kv.manifest import Manifest
+from s3kv.manifest import Manifest, UsageTable, load_usage
 from s3kv.metrics import Metrics, serve_prometheus
 from s3kv.pool import IOPool, Priority
 from s3kv.staging import HostAllocator, HostBuffer, StagingCache
@@ -282,6 +282,14 @@ class KVStore:
     def count_maybe(self, keys: Sequence[BlockHash]) -> int:
         """Leading blocks of ``keys`` the manifest may hold (its Bloom filter; no network)."""
         return self.manifest.count_leading(keys)
+
+    def usage(self) -> UsageTable:
+        """This fingerprint's usage records (hits, writes, pins) folded from the bucket.
+
+        Raises:
+            StorageError: The bucket cannot be read.
+        """
+        return load_usage(self.backend, self.config.key_prefix, self.fingerprint)
 
     def may_contain(self, key: BlockHash) -> bool:
         """Whether the bucket may hold ``key`` (false positives possible; no network)."""

@@ -83,10 +83,10 @@ class S3KVConnectorScheduler(SchedulerBase):  # type: ignore[misc]
             config = S3KVConfig.load()
             problems = envelope_problems(llm_args)
         except S3KVError as exc:
-            self._turn_off(str(exc))
+            self.turn_off(str(exc))
             return
         if problems:
-            self._turn_off(problems[0])
+            self.turn_off(problems[0])
             return
         for warning in envelope_warnings(llm_args):
             logger.warning("s3kv: %s", warning)
@@ -95,7 +95,8 @@ class S3KVConnectorScheduler(SchedulerBase):  # type: ignore[misc]
         self.core = SchedulerCore(config, _tokens_per_block(llm_args))
         process_state().scheduler = self
 
-    def _turn_off(self, reason: str) -> None:
+    def turn_off(self, reason: str) -> None:
+        """Claim and save nothing from now on; log ``reason`` once."""
         self.off_reason = reason
         self.core = None
         logger.error("s3kv: connector disabled: %s", reason)
@@ -107,12 +108,12 @@ class S3KVConnectorScheduler(SchedulerBase):  # type: ignore[misc]
             return
         off = [s for s in shards if s.identity is None]
         if off:
-            self._turn_off(f"rank {off[0].rank}: {off[0].reason}")
+            self.turn_off(f"rank {off[0].rank}: {off[0].reason}")
             return
         try:
             self._open_shards(shards)
         except S3KVError as exc:  # missing bucket, denied credentials, no shared memory
-            self._turn_off(str(exc))
+            self.turn_off(str(exc))
 
     def _open_shards(self, shards: list[ShardInfo]) -> None:
         core = self.core
@@ -125,7 +126,7 @@ class S3KVConnectorScheduler(SchedulerBase):  # type: ignore[misc]
             stores = ShardStores([state.open_store(self.config, identities[0])])
         else:
             if len({s.host for s in shards}) > 1:
-                self._turn_off(
+                self.turn_off(
                     "tensor-parallel ranks span several hosts; s3kv stages shards in rank 0's "
                     "host memory, which other hosts cannot map (see the connector README)"
                 )
@@ -320,7 +321,7 @@ class S3KVConnectorWorker(WorkerBase):  # type: ignore[misc]
             try:
                 scheduler.initialize(shards)  # with a rank off, turns itself off naming it
             except Exception as exc:
-                scheduler._turn_off(f"starting the scheduler failed: {exc}")
+                scheduler.turn_off(f"starting the scheduler failed: {exc}")
                 raise
         if off:
             return

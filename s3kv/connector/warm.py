@@ -16,7 +16,6 @@ import time
 from s3kv.connector.shared import ShardStores
 from s3kv.errors import CodecError, StorageError
 from s3kv.keys import BlockHash
-from s3kv.manifest import load_usage
 from s3kv.store import KVStore
 
 logger = logging.getLogger(__name__)
@@ -56,8 +55,7 @@ class WarmStart:
         try:
             if self.budget_bytes <= 0:
                 return
-            config = self.leader.config
-            usage = load_usage(self.leader.backend, config.key_prefix, self.leader.fingerprint)
+            usage = self.leader.usage()
             budget_blocks = self.budget_bytes // (self.leader.block_nbytes or 1)
             # NOTE: the usage table records stored sizes, staging holds raw bytes: ask for
             # generously many chains by stored size, then cut by raw block count.
