@@ -187,3 +187,29 @@ def backend(request: pytest.FixtureRequest) -> Backend:
     fixture = "seaweed_backend" if kind == "seaweedfs" else f"{kind}_backend"
     result: Backend = request.getfixturevalue(fixture)
     return result
+
+
+@pytest.fixture
+def file_bucket(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
+    """A ``file://`` bucket in the environment for connector runs on the emulated runtime.
+
+    Torch runs single-threaded (the tiny model is faster so), and every store the connector
+    opened in this process is closed afterwards.
+    """
+    from _emulator import one_torch_thread
+
+    from s3kv.connector.shared import process_state
+
+    root = tmp_path / "bucket"
+    root.mkdir()
+    env = {
+        "TLLM_S3KV_ENDPOINT_URL": f"file://{root}",
+        "TLLM_S3KV_BUCKET": "emulated",
+        "TLLM_S3KV_MODEL_REVISION": "tiny",
+        "TLLM_S3KV_MANIFEST_FLUSH_INTERVAL": "0.05",
+    }
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    with one_torch_thread():
+        yield root
+    process_state().close_all()

@@ -11,7 +11,7 @@ a claimed load is never dropped.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -65,19 +65,6 @@ FAULTS: dict[str, tuple[type, str, Callable[[Any], Any]]] = {
 }  # fmt: skip
 
 
-@pytest.fixture
-def bucket(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
-    root = tmp_path / "bucket"
-    root.mkdir()
-    for name, value in {
-        "TLLM_S3KV_ENDPOINT_URL": f"file://{root}", "TLLM_S3KV_BUCKET": "faults",
-        "TLLM_S3KV_MODEL_REVISION": "tiny", "TLLM_S3KV_MANIFEST_FLUSH_INTERVAL": "0.05",
-    }.items():  # fmt: skip
-        monkeypatch.setenv(name, value)
-    yield root
-    process_state().close_all()
-
-
 def engine(*, connector: bool, overlap: bool) -> PyExecutorEmulator:
     args = TorchLlmArgs(
         kv_cache_config=KvCacheConfig(tokens_per_block=TPB, enable_partial_reuse=False),
@@ -96,7 +83,7 @@ def serve(executor: PyExecutorEmulator, prompts: list[list[int]]) -> list[tuple[
 @pytest.mark.parametrize("overlap", [False, True], ids=["plain", "overlap"])
 @pytest.mark.parametrize("fault", sorted(FAULTS))
 def test_a_failing_entry_point_keeps_outputs_and_bookkeeping(
-    bucket: Path, monkeypatch: pytest.MonkeyPatch, fault: str, overlap: bool
+    file_bucket: Path, monkeypatch: pytest.MonkeyPatch, fault: str, overlap: bool
 ) -> None:
     prompts = [SYSTEM + prompt(5, seed=s) for s in (52, 53)] + [prompt(21, seed=54)]
     with one_torch_thread():

@@ -8,13 +8,11 @@ cannot see (a LoRA task id with no configured adapter revision, a prompt table).
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from _emulator import one_torch_thread, prompt, tiny_model
+from _emulator import prompt, tiny_model
 
 from s3kv.connector.shared import process_state
 from s3kv.testing.emulator.executor import PyExecutorEmulator
@@ -26,20 +24,6 @@ TPB = 8
 TOKENS = prompt(5 * TPB + 3, seed=91)
 IMAGE_A = MultimodalInput(tuple(range(1, 9)), position=TPB + 2, length=TPB)
 IMAGE_B = MultimodalInput(tuple(range(11, 19)), position=TPB + 2, length=TPB)
-
-
-@pytest.fixture
-def bucket(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
-    root = tmp_path / "bucket"
-    root.mkdir()
-    for name, value in {
-        "TLLM_S3KV_ENDPOINT_URL": f"file://{root}", "TLLM_S3KV_BUCKET": "inputs",
-        "TLLM_S3KV_MODEL_REVISION": "tiny", "TLLM_S3KV_MANIFEST_FLUSH_INTERVAL": "0.05",
-    }.items():  # fmt: skip
-        monkeypatch.setenv(name, value)
-    with one_torch_thread():
-        yield root
-    process_state().close_all()
 
 
 def claimed_by_reader(writer_inputs: dict[str, Any], reader_inputs: dict[str, Any]) -> int:
@@ -59,18 +43,18 @@ def claimed_by_reader(writer_inputs: dict[str, Any], reader_inputs: dict[str, An
 FULL = 5 * TPB
 
 
-@pytest.mark.usefixtures("bucket")
+@pytest.mark.usefixtures("file_bucket")
 def test_plain_requests_hit() -> None:
     assert claimed_by_reader({}, {}) == FULL
 
 
-@pytest.mark.usefixtures("bucket")
+@pytest.mark.usefixtures("file_bucket")
 def test_lora_without_a_configured_revision_is_neither_saved_nor_claimed() -> None:
     assert claimed_by_reader({"lora_task_id": 3}, {"lora_task_id": 3}) == 0
     assert claimed_by_reader({"lora_task_id": 3}, {}) == 0, "nothing was saved under LoRA"
 
 
-@pytest.mark.usefixtures("bucket")
+@pytest.mark.usefixtures("file_bucket")
 def test_lora_keys_on_the_configured_adapter_revision(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("TLLM_S3KV_LORA_REVISIONS", "3=commit:aaaa,4=commit:bbbb")
     assert claimed_by_reader({"lora_task_id": 3}, {"lora_task_id": 3}) == FULL
@@ -78,14 +62,14 @@ def test_lora_keys_on_the_configured_adapter_revision(monkeypatch: pytest.Monkey
     assert claimed_by_reader({"lora_task_id": 3}, {}) == 0, "the base model is another key"
 
 
-@pytest.mark.usefixtures("bucket")
+@pytest.mark.usefixtures("file_bucket")
 def test_a_prompt_table_is_neither_saved_nor_claimed() -> None:
     table = {"prompt_table": torch.zeros(4, 64)}
     assert claimed_by_reader(table, table) == 0
     assert claimed_by_reader(table, {}) == 0, "nothing was saved under a prompt table"
 
 
-@pytest.mark.usefixtures("bucket")
+@pytest.mark.usefixtures("file_bucket")
 def test_multimodal_items_key_the_blocks_they_overlap() -> None:
     same = claimed_by_reader({"multimodal": [IMAGE_A]}, {"multimodal": [IMAGE_A]})
     assert same == FULL

@@ -10,12 +10,11 @@ frees without ``request_finished`` leave no scheduler state and no pins behind.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-from _emulator import one_torch_thread, prompt, tiny_model
+from _emulator import prompt, tiny_model
 
 from s3kv.connector.scheduler import SchedulerCore
 from s3kv.connector.shared import process_state
@@ -27,20 +26,6 @@ from s3kv.testing.emulator.llm_args import KvCacheConfig, TorchLlmArgs
 
 TPB = 8
 SYSTEMS = [prompt(6 * TPB, seed=71), prompt(4 * TPB, seed=72)]
-
-
-@pytest.fixture
-def bucket(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
-    root = tmp_path / "bucket"
-    root.mkdir()
-    for name, value in {
-        "TLLM_S3KV_ENDPOINT_URL": f"file://{root}", "TLLM_S3KV_BUCKET": "matrix",
-        "TLLM_S3KV_MODEL_REVISION": "tiny", "TLLM_S3KV_MANIFEST_FLUSH_INTERVAL": "0.05",
-    }.items():  # fmt: skip
-        monkeypatch.setenv(name, value)
-    with one_torch_thread():
-        yield root
-    process_state().close_all()
 
 
 def engine(
@@ -82,7 +67,7 @@ CELLS = [
     ids=[f"{r}-{'overlap' if o else 'plain'}-{'v2' if v else 'v1'}" for r, o, v in CELLS],
 )
 def test_redeploy_hits_with_identical_tokens(
-    bucket: Path, runtime: str, overlap: bool, v2: bool
+    file_bucket: Path, runtime: str, overlap: bool, v2: bool
 ) -> None:
     asks = [SYSTEMS[0] + prompt(5, seed=73), SYSTEMS[1] + prompt(7, seed=74)]
     kw = {"runtime": runtime, "overlap": overlap, "v2": v2}
@@ -105,7 +90,7 @@ def test_redeploy_hits_with_identical_tokens(
 
 @pytest.mark.parametrize("overlap", [False, True], ids=["plain", "overlap"])
 def test_v2_honouring_less_than_offered_loads_exactly_the_honoured_blocks(
-    bucket: Path, monkeypatch: pytest.MonkeyPatch, overlap: bool
+    file_bucket: Path, monkeypatch: pytest.MonkeyPatch, overlap: bool
 ) -> None:
     ask = [SYSTEMS[0] + prompt(5, seed=77)]
     kw = {"runtime": "main", "overlap": overlap, "v2": True}
@@ -130,7 +115,7 @@ def test_v2_honouring_less_than_offered_loads_exactly_the_honoured_blocks(
 
 @pytest.mark.parametrize("runtime", ["1.2", "main"])
 def test_cancelled_requests_leave_no_state_or_pins(
-    bucket: Path, monkeypatch: pytest.MonkeyPatch, runtime: str
+    file_bucket: Path, monkeypatch: pytest.MonkeyPatch, runtime: str
 ) -> None:
     kw = {"runtime": runtime, "overlap": True, "v2": False, "chunked": False}
     serve(engine(**kw), [SYSTEMS[0] + prompt(3, seed=79)])

@@ -18,7 +18,6 @@ the slots would.
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -77,22 +76,9 @@ def serve(executor: PyExecutorEmulator, tokens: list[int]) -> tuple[list[int], i
     return list(result.output_tokens), result.connector_tokens
 
 
-@pytest.fixture
-def bucket(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
-    root = tmp_path / "bucket"
-    root.mkdir()
-    for name, value in {
-        "TLLM_S3KV_ENDPOINT_URL": f"file://{root}", "TLLM_S3KV_BUCKET": "race",
-        "TLLM_S3KV_MODEL_REVISION": "tiny", "TLLM_S3KV_MANIFEST_FLUSH_INTERVAL": "0.05",
-    }.items():  # fmt: skip
-        monkeypatch.setenv(name, value)
-    yield root
-    process_state().close_all()
-
-
 @pytest.mark.parametrize("policy", ["completion", "next_step"])
 def test_claimed_blocks_never_receive_recycled_staging_bytes(
-    bucket: Path, monkeypatch: pytest.MonkeyPatch, policy: str
+    file_bucket: Path, monkeypatch: pytest.MonkeyPatch, policy: str
 ) -> None:
     with one_torch_thread():
         expected, _ = serve(engine(connector=False), SYSTEM + QUESTION)
@@ -117,7 +103,7 @@ def test_claimed_blocks_never_receive_recycled_staging_bytes(
         assert tokens != expected, "the old rule must lose the race on the late device"
 
 
-def test_plain_loop_is_correct_too(bucket: Path) -> None:
+def test_plain_loop_is_correct_too(file_bucket: Path) -> None:
     with one_torch_thread():
         expected, _ = serve(engine(connector=False, overlap=False), SYSTEM + QUESTION)
         serve(engine(connector=True, overlap=False), SYSTEM + prompt(5, seed=43))
@@ -162,7 +148,7 @@ def _tp_rank(rank: int, world: int, env: dict[str, str]) -> dict[str, Any]:
     return report
 
 
-def test_tensor_parallel_arena_slots_are_not_recycled_under_a_load(bucket: Path) -> None:
+def test_tensor_parallel_arena_slots_are_not_recycled_under_a_load(file_bucket: Path) -> None:
     # The same race on the TP path: rank 0 stages every shard into shared arenas, each rank
     # copies its own slot; a slot may be recycled only once *every* rank's copy completed.
     from s3kv.testing.emulator.parallel import run_tensor_parallel

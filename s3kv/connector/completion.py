@@ -2,8 +2,10 @@
 
 The scheduler (rank 0) pins the staged bytes of a claim; the workers (every rank) copy them
 into their pools asynchronously. Under the overlap loop the host runs ahead of the device, so
-"the next scheduler step" is not proof that a copy has run (trtllm issue: a recycled staging
-slot fed a claimed block). Instead each load batch carries a sequence number
+"the next scheduler step" is not proof that a copy has run: ``_executor_loop_overlap``
+(``tensorrt_llm/_torch/pyexecutor/py_executor.py`` @``00043967``) builds iteration N+1's
+metadata before it synchronises on iteration N, and on an H100 a recycled staging slot fed a
+claimed block (``benchmarks/gpu_load_race.py``). Instead each load batch carries a sequence number
 (``ConnectorMetadata.load_seq``); each worker writes, in its own cell of the board, the newest
 sequence number whose copies' event has completed; the scheduler releases a batch's pins once
 the minimum over all cells has reached it.

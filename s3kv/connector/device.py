@@ -2,7 +2,10 @@
 
 The one rule this module exists for (DESIGN.md invariant 1): bytes a claimed load reads stay
 pinned until the device copy that reads them has *completed*, not merely been enqueued. Under
-TensorRT-LLM's overlap loop the host runs one iteration ahead of the device, so a copy
+TensorRT-LLM's overlap loop the host runs one iteration ahead of the device
+(``PyExecutor._executor_loop_overlap`` in ``tensorrt_llm/_torch/pyexecutor/py_executor.py``
+@``00043967``: iteration N+1 calls ``handle_metadata`` / ``_kv_connector_start_batch`` and
+enqueues its forward before ``_update_requests(previous_batch)`` synchronises on N), so a copy
 enqueued by ``start_load_kv`` in iteration N may still be queued when iteration N+1 plans its
 loads; its source must not be recycled before the copy's event has completed.
 
@@ -65,7 +68,18 @@ class _Done:
         return None
 
 
+class _Never:
+    """An event that never completes: the copies' fate is unknown, keep their sources."""
+
+    def query(self) -> bool:
+        return False
+
+    def synchronize(self) -> None:
+        return None
+
+
 DONE: StreamEvent = _Done()
+NEVER: StreamEvent = _Never()
 
 #: (destination, source) pairs of torch tensors / numpy host arrays.
 LoadPair = tuple[Any, np.ndarray]
@@ -203,6 +217,7 @@ __all__ = [
     "CopyEngine",
     "CudaCopyEngine",
     "DONE",
+    "NEVER",
     "DeferredCopyEngine",
     "DeferredStream",
     "LoadPair",

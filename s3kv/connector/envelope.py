@@ -67,8 +67,10 @@ def kv_quant_algo(llm_args: Any) -> str | None:
 
     From ``llm_args.quant_config.kv_cache_quant_algo`` first, then the checkpoint:
     ModelOpt's ``hf_quant_config.json`` (``quantization.kv_cache_quant_algo``) and
-    ``config.json``'s ``quantization_config`` (``kv_cache_quant_algo``), where TensorRT-LLM
-    reads it when it builds the model config.
+    ``config.json``'s ``quantization_config`` (``kv_cache_quant_algo``). NOTE: these are the
+    files ModelOpt checkpoints carry; the TensorRT-LLM code that reads them was not located in
+    the source index, so this is s3kv's reading, failing closed (an int8 pool without a
+    readable INT8 setting is refused).
     """
     algo = _get(llm_args, "quant_config.kv_cache_quant_algo")
     if algo is not None:

@@ -110,7 +110,13 @@ def key_inputs(
 
 
 def honoured_tokens(request: Any) -> int | None:
-    """KVCacheManagerV2's honoured count (``py_num_connector_matched_tokens``), if readable."""
+    """KVCacheManagerV2's honoured count (``py_num_connector_matched_tokens``), if readable.
+
+    ``KvCacheConnectorManager.commit_new_matched_tokens`` sets it to the tokens the runtime
+    will consume, before ``update_state_after_alloc`` (``connectors/kv_cache_connector.py``
+    @``035ab91c``; the order is pinned by TensorRT-LLM's ``test_kv_connector_v2_prefix.py``,
+    stored-file id 57539656528).
+    """
     value = getattr(request, "py_num_connector_matched_tokens", None)
     return value if isinstance(value, int) else None
 

@@ -49,7 +49,7 @@ class _Request:
 
     request_id: int
     prompt_len: int
-    hash_args: dict[str, Any] | None  # None: the key inputs are not all visible; no caching
+    key_inputs: dict[str, Any] | None  # None: the key inputs are not all visible; no caching
     keys: list[BlockHash]
     tokens: list[int] = field(default_factory=list)
     block_ids: list[int] = field(default_factory=list)
@@ -76,8 +76,11 @@ class SchedulerCore:
     """
 
     #: Scheduler steps a request may be missing from the scheduler output before its state
-    #: is dropped (cancelled and errored requests are freed without ``request_finished`` in
-    #: TensorRT-LLM; a running request is reported every step it is scheduled).
+    #: is dropped. Cancelled and errored requests are freed without ``request_finished``:
+    #: ``_handle_canceled_requests`` finishes them with ``FinishReason.CANCELLED`` and
+    #: ``_handle_errors`` terminates them, both without a connector call
+    #: (``tensorrt_llm/_torch/pyexecutor/py_executor.py`` @``00043967``, and the 1.2-era
+    #: version alike); a running request is reported every step it is scheduled.
     STALE_STEPS = 64
 
     def __init__(self, config: S3KVConfig, tokens_per_block: int) -> None:
@@ -203,7 +206,7 @@ class SchedulerCore:
                 saves.extend(self._plan_request_saves(state, data, first=first))
             except Exception:  # NOTE: isolated: only this request's saves are lost
                 logger.exception("s3kv: save planning failed for request %d", state.request_id)
-                state.hash_args = None  # stop planning saves for it
+                state.key_inputs = None  # stop planning saves for it
                 self._metric("connector_save_planning_errors")
         self._forget_stale()
         return self.take_metadata(saves)
@@ -254,7 +257,7 @@ class SchedulerCore:
 
     def _plan_saves(self, state: _Request, valid_tokens: int) -> list[SaveOp]:
         shards = self.shards
-        if shards is None or not shards.healthy or state.hash_args is None:
+        if shards is None or not shards.healthy or state.key_inputs is None:
             return []
         tpb = self.tokens_per_block
         limit = valid_tokens // tpb
@@ -262,7 +265,7 @@ class SchedulerCore:
             limit = min(limit, state.prompt_len // tpb)
         limit = min(limit, len(state.block_ids), len(state.tokens) // tpb)
         if limit > len(state.keys):
-            state.keys = chain_hashes(state.tokens, tpb, **state.hash_args)
+            state.keys = chain_hashes(state.tokens, tpb, **state.key_inputs)
         loaded = range(state.claim_start, state.claim_start + len(state.claimed))
         ops = []
         for b in range(state.saved_blocks, limit):

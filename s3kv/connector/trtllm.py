@@ -82,17 +82,20 @@ class S3KVConnectorScheduler(SchedulerBase):  # type: ignore[misc]
         try:
             config = S3KVConfig.load()
             problems = envelope_problems(llm_args)
-        except S3KVError as exc:
+            if problems:
+                self.turn_off(problems[0])
+                return
+            for warning in envelope_warnings(llm_args):
+                logger.warning("s3kv: %s", warning)
+            self.config = config
+            self._lora_revisions = config.lora_revision_map()
+            self.core = SchedulerCore(config, _tokens_per_block(llm_args))
+        except S3KVError as exc:  # a bad setting: one line naming it
             self.turn_off(str(exc))
             return
-        if problems:
-            self.turn_off(problems[0])
+        except Exception as exc:  # NOTE: nothing raises into the engine, constructors included
+            self.turn_off(f"cannot start ({type(exc).__name__}: {exc})")
             return
-        for warning in envelope_warnings(llm_args):
-            logger.warning("s3kv: %s", warning)
-        self.config = config
-        self._lora_revisions = config.lora_revision_map()
-        self.core = SchedulerCore(config, _tokens_per_block(llm_args))
         process_state().scheduler = self
 
     def turn_off(self, reason: str) -> None:
@@ -153,7 +156,11 @@ class S3KVConnectorScheduler(SchedulerBase):  # type: ignore[misc]
         """Wait (bounded by ``warm_start_timeout``) for warm staging; once per process.
 
         NOTE: rank 0's worker calls this at the end of ``register_kv_caches``, because the
-        1.2-era executor never calls ``wait_for_initialization`` (it arrived later); the
+        1.2-era executor never calls ``wait_for_initialization``: its
+        ``PyExecutor._maybe_init_kv_connector_manager`` (``py_executor.py``, the 155 kB stored
+        version with the old ``_torch/pyexecutor/kv_cache_connector.py`` import; the index
+        gives no commit) ends after the layer hooks, while main (@``00043967``) calls it last,
+        after ``register_kv_caches``. The
         other ranks wait meanwhile in their next collective, as they would behind
         ``wait_for_initialization``.
         """
@@ -229,16 +236,18 @@ class S3KVConnectorWorker(WorkerBase):  # type: ignore[misc]
         self.core: WorkerCore | None = None
         self._collectives = get_collectives()
         self.rank = self._collectives.rank
-        self.tp_size = int(getattr(llm_args, "tensor_parallel_size", 1) or 1)
         self.manager = "v1"  # "v2" once registered through register_kv_cache_layout
-        self._registered = False
         self._pending_core: WorkerCore | None = None
         self._kv: Any = None
+        self.config: S3KVConfig | None = None
+        self.tp_size = 1
         try:
-            self.config: S3KVConfig | None = S3KVConfig.load()
-        except S3KVError as exc:
-            self.config = None
+            self.tp_size = int(getattr(llm_args, "tensor_parallel_size", 1) or 1)
+            self.config = S3KVConfig.load()
+        except S3KVError as exc:  # a bad setting: one line naming it (logged at registration)
             self.off_reason = str(exc)
+        except Exception as exc:  # NOTE: nothing raises into the engine, constructors included
+            self.off_reason = f"cannot start ({type(exc).__name__}: {exc})"
 
     def register_forward_pass_callable(self) -> Callable[[], None]:
         return self._forward_done
@@ -250,15 +259,16 @@ class S3KVConnectorWorker(WorkerBase):  # type: ignore[misc]
         except Exception:  # never into the engine
             logger.exception("s3kv: forward-pass callable failed")
 
+    @_guarded(lambda *a, **k: None)
     def register_kv_caches(self, kv_cache_tensor: Any) -> None:
         """Check the pool, agree with every rank, open this rank's store.
 
         Collectives: one broadcast and one all-gather, reached by every rank whatever failed
         locally. Everything fallible runs under a guard *before* each collective and its
         outcome travels through it, so a fault on one rank turns the connector off on all
-        ranks instead of leaving the others waiting in a collective it skipped.
+        ranks instead of leaving the others waiting in a collective it skipped. A collective
+        that itself fails (the MPI layer) is caught by the outer guard: the connector stays off.
         """
-        self._registered = True
         # NOTE: rank 0 alone derives the weights revision (it may hash the checkpoint).
         local = self._attempt("weights revision", self._revision) if self.rank == 0 else None
         revision, problem = self._collectives.broadcast(local or (UNKNOWN, ""))
@@ -335,6 +345,7 @@ class S3KVConnectorWorker(WorkerBase):  # type: ignore[misc]
             scheduler.await_warm_start()
         self.core = core
 
+    @_guarded(lambda *a, **k: None)
     def register_kv_cache_layout(self, layout: Any) -> None:
         """KVCacheManagerV2's registration: one pool is served, anything else turns off.
 

@@ -30,6 +30,7 @@ from s3kv.connector.arena import SlabArena
 from s3kv.connector.completion import CompletionBoard
 from s3kv.connector.device import (
     DONE,
+    NEVER,
     CopyEngine,
     DeferredStream,
     StreamEvent,
@@ -155,18 +156,19 @@ class WorkerCore:
             return
         self._attach_board(metadata)
         arena = self._arena(metadata) if metadata.arenas else None
-        event: StreamEvent = DONE
+        event: StreamEvent = NEVER  # NOTE: until the copies are known to be enqueued or done
         try:
             pairs = [
                 (self.kv_cache[op.block_id], self._load_source(op, arena)) for op in metadata.loads
             ]
             event = engine.load(pairs, stream)
         except Exception:
-            # NOTE: a claim cannot be withdrawn: whatever was enqueued is fenced (its pins
-            # stay until it has run), then every block is copied again the plain way.
+            # NOTE: a claim cannot be withdrawn: wait for whatever was enqueued, then copy
+            # every block the plain way. If even that fails, the batch's event never
+            # completes, so its sources stay pinned rather than be recycled under a copy.
             logger.exception("s3kv: enqueuing loads failed; copying them synchronously")
-            event = self._fence(engine, stream)
             self._load_synchronously(metadata, arena, stream)
+            event = DONE
         finally:
             self._loads.append((metadata.load_seq, event))
         self.store.metrics.inc("connector_loaded_blocks", len(metadata.loads))
@@ -175,22 +177,15 @@ class WorkerCore:
     def _load_synchronously(
         self, metadata: ConnectorMetadata, arena: SlabArena | None, stream: Any
     ) -> None:
-        """The fallback load: ordered after the stream's work, complete when it returns."""
-        if self.cuda and stream is not None:
-            stream.synchronize()
+        """The fallback load: after everything enqueued on the stream, complete on return."""
+        if self.cuda:
+            _torch().cuda.synchronize(self.kv_cache.device)
         elif isinstance(stream, DeferredStream):
             stream.record_event().synchronize()
-        torch = _torch()
-        for op in metadata.loads:
-            target = self.kv_cache[op.block_id].view(-1).view(torch.uint8)
-            target.copy_(torch.from_numpy(self._load_source(op, arena)))
-
-    def _fence(self, engine: CopyEngine, stream: Any) -> StreamEvent:
-        try:
-            return engine.load([], stream)
-        except Exception:  # the stream itself is broken; nothing more can be known
-            logger.exception("s3kv: cannot fence failed loads; releasing their pins")
-            return DONE
+        pairs = [
+            (self.kv_cache[op.block_id], self._load_source(op, arena)) for op in metadata.loads
+        ]
+        SyncCopyEngine().load(pairs, None)
 
     def poll_loads(self) -> None:
         """Publish, oldest first, every load batch whose copies have completed."""
@@ -311,9 +306,9 @@ class WorkerCore:
 
     def flush(self) -> None:
         """Wait for every pending copy and hand it to the store (shutdown)."""
-        while self._loads:
-            self._loads[0][1].synchronize()
-            self.poll_loads()
+        for _, event in list(self._loads):
+            event.synchronize()
+        self.poll_loads()
         self._drain(block=True)
 
 
