@@ -438,3 +438,41 @@ def test_nvfp4_shaped_pools_turn_the_connector_off(
     assert worker.core is None
     assert scheduler.core is None
     assert any("NVFP4" in r.getMessage() for r in caplog.records)
+
+
+def test_an_unexpected_failure_in_a_constructor_turns_off_not_raises(
+    bucket_env: str, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    from s3kv.connector import trtllm
+
+    def broken(llm_args: Any) -> list[str]:
+        raise TypeError("unexpected llm_args shape")
+
+    caplog.set_level(logging.ERROR)
+    monkeypatch.setattr(trtllm, "envelope_problems", broken)
+    scheduler = S3KVConnectorScheduler(llm_args())  # no exception into the engine
+    assert scheduler.core is None
+    assert any("unexpected llm_args shape" in r.getMessage() for r in caplog.records)
+
+
+def test_a_load_whose_fallback_also_fails_keeps_its_sources_pinned(
+    bucket_env: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from s3kv.connector import device
+    from s3kv.connector import worker as worker_module
+
+    _save_prompt(pool(fill=1.0))
+    scheduler, worker = instance(pool())
+    assert scheduler.core is not None
+    assert worker.core is not None
+    request = Request(7, PROMPT)
+    assert scheduler.get_num_new_matched_tokens(request, 0) == (16, False)
+    scheduler.update_state_after_alloc(request, [0, 1, 2, 3, 4])
+    monkeypatch.setattr(device.SyncCopyEngine, "load", lambda *a, **k: 1 / 0)
+    monkeypatch.setattr(worker_module.WorkerCore, "_load_synchronously", lambda *a, **k: 1 / 0)
+    step(scheduler, worker, SchedulerOutput(
+        new_requests=[RequestData(7, PROMPT, [0, 1, 2, 3, 4], 0, 1)]))  # fmt: skip
+    for _ in range(3):
+        worker.get_finished([], [])
+        scheduler.build_connector_meta(SchedulerOutput())
+    assert scheduler.core.held_load_batches == 1, "copies of unknown fate: sources stay pinned"
