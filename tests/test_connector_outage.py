@@ -93,6 +93,8 @@ def test_outage_claims_nothing_then_recovers(
             time.sleep(COOLDOWN_S)  # NOTE: the breaker's cooldown is wall-clock by design
             # The first request after the cooldown probes (its saves go through) and closes it.
             serve(executor, prompt(40, seed=100))
+            # The probe is a save on the writer pool: wait for it before reading the state.
+            assert store.flush(timeout=30)
             assert breaker.state is BreakerState.CLOSED
             assert serve(executor, systems[2] + ask[3]) == (expected[2], 48)
     finally:
