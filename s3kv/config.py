@@ -161,13 +161,32 @@ class S3KVConfig:
     max_prefetch_queue: int = _plain(4096, "Prefetches queued at once; more are dropped.")
     close_timeout: float = _duration(30.0, "Deadline for draining saves on close().")
     # --- manifest ---
-    bloom_capacity: int = _plain(10_000_000, "Keys the Bloom filter is sized for.")
-    bloom_fpr: float = _plain(1e-6, "Target false-positive rate at capacity (0 < p < 0.5).")
-    manifest_refresh_interval: float = _duration(
-        30.0, "How often other instances' new segments are read (0 disables)."
+    bloom_capacity: int = _plain(
+        1_000_000, "Keys of the first growth partition of the key filter (it grows past it)."
     )
-    manifest_flush_interval: float = _duration(5.0, "How often new keys/hits are flushed.")
+    bloom_fpr: float = _plain(1e-6, "Target false-positive rate of the key filter (0 < p < 0.5).")
+    manifest_refresh_interval: float = _duration(
+        10.0, "How often the manifest log is checked for news (0 disables)."
+    )
+    manifest_flush_interval: float = _duration(60.0, "How often new keys are flushed.")
     manifest_flush_keys: int = _plain(4096, "Flush a segment early once this many records wait.")
+    manifest_hit_interval: float = _duration(
+        600.0, "Hits alone are flushed at most this often (coalesced per key)."
+    )
+    manifest_compaction: Literal["auto", "off"] = _plain(
+        "auto",
+        "Take part in electing the one compactor per model: auto (needs conditional PUT), off.",
+        choices=("auto", "off"),
+    )
+    manifest_compaction_interval: float = _duration(
+        20.0, "How often the compactor folds segments into a delta."
+    )
+    manifest_lease: float = _duration(
+        60.0, "Another instance takes compaction over after this long without news."
+    )
+    manifest_open_timeout: float = _duration(
+        10.0, "Longest the manifest load holds up startup; it finishes in the background."
+    )
     instance_id: str = _plain("", "Name of this instance in segment keys; default random.")
     # --- connector ---
     model_revision: str = _plain(
@@ -205,6 +224,14 @@ class S3KVConfig:
             (self.bloom_capacity >= 1, "bloom_capacity: must be >= 1"),
             (self.max_prefetch_queue >= 1, "max_prefetch_queue: must be >= 1"),
             (self.manifest_flush_keys >= 1, "manifest_flush_keys: must be >= 1"),
+            (
+                self.manifest_compaction_interval > 0,
+                "manifest_compaction_interval: must be > 0",
+            ),
+            (
+                self.manifest_lease >= 3 * self.manifest_compaction_interval,
+                "manifest_lease: must be >= 3 x manifest_compaction_interval",
+            ),
             (self.breaker_failures >= 1, "breaker_failures: must be >= 1"),
             (0 <= self.metrics_port <= 65535, "metrics_port: must be in 0..65535"),
             ("//" not in self.prefix, "prefix: must not contain '//'"),

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import time
 from pathlib import Path
 
@@ -10,7 +9,7 @@ import pytest
 from cli_support import DAY, Bucket, Clock, assert_one_error_line, identity, invoke, parse_json
 
 from s3kv.cli.context import Runtime
-from s3kv.manifest import load_usage
+from s3kv.manifest import ManifestIO, ManifestLog, load_usage
 from s3kv.storage import S3Backend
 
 RAW_BLOCK = 2 * 2 * 32 * 2  # layers * kv_factor * block_elems * bf16 bytes
@@ -132,12 +131,16 @@ def test_compact_and_full_compact_from_a_listing(bucket: Bucket) -> None:
 def test_unreadable_snapshot_asks_for_a_full_compaction(bucket: Bucket) -> None:
     bucket.write_chain(bucket.chain(range(4)), Clock(time.time()))
     assert invoke(["compact", *bucket.args()]).exit_code == 0
-    current = f"{bucket.prefix}/{bucket.fingerprint}/manifest/CURRENT"
-    bucket.backend.put(current, b"{not json")
+    io = ManifestIO(bucket.backend, bucket.prefix, bucket.fingerprint)
+    snapshot = ManifestLog(io).latest().snapshot  # type: ignore[union-attr]
+    assert snapshot is not None
+    io.put(snapshot.usage_path(0), b"not a usage table")
     for command in (["compact"], ["prune", "--older-than", "1d", "--dry-run"], ["pins"]):
         assert_one_error_line(invoke([*command, *bucket.args()]), "--full", code=1)
     assert invoke(["compact", "--full", *bucket.args()]).exit_code == 0
-    assert json.loads(bucket.backend.get(current) or b"{}")["generation"] >= 1
+    rebuilt = ManifestLog(io).latest().snapshot  # type: ignore[union-attr]
+    assert rebuilt is not None
+    assert rebuilt.generation > snapshot.generation
 
 
 def test_model_scope_lists_known_models(bucket: Bucket) -> None:

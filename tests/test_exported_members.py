@@ -32,9 +32,12 @@ PUBLIC: dict[str, list[str]] = {
     ],
     "s3kv.manifest": [
         "KIND_HIT", "KIND_PIN", "KIND_UNPIN", "KIND_WRITE", "RECORD_DTYPE", "UNKNOWN_PARENT",
-        "USAGE_DTYPE", "BloomFilter", "CompactionReport", "Manifest", "ManifestIO", "Records",
-        "SegmentWriter", "UsageRow", "UsageTable", "compact", "load_usage",
+        "USAGE_DTYPE", "BloomFilter", "CompactionPolicy", "CompactionReport", "Compactor",
+        "CycleReport", "DeltaRef", "KeyFilter", "LogEntry", "Manifest", "ManifestIO",
+        "ManifestLog", "Records", "SegmentWriter", "SnapshotRef", "UsageRow", "UsageTable",
+        "XorFilter", "compact", "load_usage",
     ],
+    "s3kv.manifest.shards": ["ShardView", "ShardedPresence"],
 }  # fmt: skip
 
 PACKAGE = Path(__file__).resolve().parent.parent / "s3kv"

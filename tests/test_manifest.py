@@ -30,7 +30,6 @@ from s3kv.manifest import (
     UsageRow,
     UsageTable,
     compact,
-    load_usage,
 )
 from s3kv.manifest.format import (
     CURRENT_NAME,
@@ -142,7 +141,7 @@ def write_chain(manifest: Manifest, chain: list[BlockHash], size: int = 100) -> 
 
 
 def run_compact(backend: Backend, clock: Clock, **kwargs: Any) -> CompactionReport:
-    return compact(backend, PREFIX, FP, capacity=CAP, fpr=FPR, clock=clock, **kwargs)
+    return compact(backend, PREFIX, FP, fpr=FPR, clock=clock, **kwargs)
 
 
 def row_of(usage: UsageTable, key: bytes) -> UsageRow:
@@ -158,109 +157,7 @@ def segment_keys(backend: CountingBackend) -> list[str]:
 # --- startup ----------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("n_keys", [10, 10_000])
-def test_startup_requests_do_not_grow_with_keys(
-    backend: CountingBackend, clock: Clock, n_keys: int
-) -> None:
-    # A writer flushes n keys, compaction folds them, then two more segments arrive.
-    writer = open_manifest(backend, clock, "writer")
-    chain = make_chain(n_keys + 2, seed=n_keys)
-    write_chain(writer, chain[:n_keys])
-    writer.flush()
-    clock.advance(1)
-    run_compact(backend, clock)
-    for key in chain[n_keys:]:
-        clock.advance(1)
-        writer.record_write(key, ROOT_HASH, 100)
-        writer.flush()
-    # A new instance: GET CURRENT, GET bloom.bin, one LIST, GET each of the 2 new segments.
-    before = backend.requests
-    reader = open_manifest(backend, clock, "reader")
-    assert backend.requests - before == reader.open_requests == 5
-    assert backend.calls["list"] >= 1
-    assert reader.count_leading(chain) == n_keys + 2
-    # Lookups never touch the network.
-    before = backend.requests
-    reader.count_leading(chain)
-    reader.may_contain(chain[0])
-    assert backend.requests == before
-
-
-def test_open_without_snapshot_reads_every_segment(backend: CountingBackend, clock: Clock) -> None:
-    writer = open_manifest(backend, clock, "w")
-    chain = make_chain(30, seed=1)
-    for part in (chain[:10], chain[10:20], chain[20:]):
-        write_chain(writer, part)
-        writer.flush()
-    reader = open_manifest(backend, clock, "r")
-    assert reader.generation == 0
-    assert reader.open_requests == 1 + 1 + 3  # CURRENT (absent), LIST, 3 segments
-    assert reader.count_leading(chain) == 30
-
-
-def test_open_survives_an_unreachable_bucket(backend: CountingBackend, clock: Clock) -> None:
-    writer = open_manifest(backend, clock, "w")
-    chain = make_chain(5, seed=2)
-    write_chain(writer, chain)
-    writer.flush()
-    backend.fail = {"get"}
-    reader = open_manifest(backend, clock, "r")
-    assert reader.generation < 0
-    assert reader.count_leading(chain) == 0
-    assert reader.stats()["refresh_errors"] == 1
-    backend.fail = set()
-    assert reader.refresh() == 5
-    assert reader.count_leading(chain) == 5
-
-
 # --- refresh ----------------------------------------------------------------------------
-
-
-def test_second_instance_sees_first_instances_writes_after_refresh(
-    backend: CountingBackend, clock: Clock
-) -> None:
-    a = open_manifest(backend, clock, "a")
-    b = open_manifest(backend, clock, "b")
-    chain = make_chain(20, seed=3)
-    write_chain(a, chain)
-    assert a.count_leading(chain) == 20  # local writes are visible at once
-    assert a.flush() == 20
-    assert b.count_leading(chain) == 0
-    clock.advance(1)
-    assert b.refresh() == 20
-    assert b.count_leading(chain) == 20
-    # The writer does not GET its own segment back.
-    gets = backend.calls["get"]
-    assert a.refresh() == 0
-    assert backend.calls["get"] == gets + 1  # only CURRENT
-    assert b.refresh() == 0  # nothing new
-    assert b.stats()["segments_read"] == 1
-
-
-def test_refresh_reloads_a_new_generation_and_keeps_local_writes(
-    backend: CountingBackend, clock: Clock
-) -> None:
-    a = open_manifest(backend, clock, "a", grace_s=0)
-    b = open_manifest(backend, clock, "b", grace_s=0)
-    chain = make_chain(10, seed=4)
-    write_chain(b, chain[:3])
-    b.flush()
-    clock.advance(1)
-    write_chain(b, chain[3:5])
-    b.flush()
-    clock.advance(1)
-    report = run_compact(backend, clock, grace_s=0)
-    # grace 0: the older folded segment is deleted and the newest is named in CURRENT as
-    # folded, so `a` learns every key from bloom.bin and GETs no segment.
-    assert report.segments_deleted == 1
-    assert len(segment_keys(backend)) == 1
-    write_chain(a, chain[5:])  # pending, not flushed: must survive the reload
-    a.refresh()
-    assert a.generation == 1
-    stats = a.stats()
-    assert (stats["reloads"], stats["segments_read"]) == (2, 0)  # the open, then generation 1
-    assert a.count_leading(chain[:5]) == 5
-    assert all(a.may_contain(key) for key in chain[5:])
 
 
 def test_refresh_errors_are_counted_and_logged_once(
@@ -341,19 +238,6 @@ def test_corrupt_segment_is_skipped_and_counted(backend: CountingBackend, clock:
     assert report.keys == 4
 
 
-def test_corrupt_bloom_falls_back_to_usage(backend: CountingBackend, clock: Clock) -> None:
-    a = open_manifest(backend, clock, "a")
-    chain = make_chain(6, seed=8)
-    write_chain(a, chain)
-    a.flush()
-    run_compact(backend, clock)
-    bloom_key = ROOT + snapshot_paths(1)[0]
-    backend.inner.put(bloom_key, (backend.inner.get(bloom_key) or b"")[:-10])
-    b = open_manifest(backend, clock, "b")
-    assert b.stats()["snapshots_corrupt"] == 1
-    assert b.count_leading(chain) == 6
-
-
 @pytest.mark.parametrize(
     ("mutate", "error"),
     [
@@ -389,105 +273,6 @@ def test_current_pointer_round_trip_and_validation() -> None:
 # --- compaction -------------------------------------------------------------------------
 
 
-def test_compaction_folds_hits_pins_and_drop_keys(backend: CountingBackend, clock: Clock) -> None:
-    a = open_manifest(backend, clock, "a")
-    b = open_manifest(backend, clock, "b")
-    chain = make_chain(6, seed=10)
-    write_chain(a, chain[:4])
-    a.flush()
-    clock.advance(10)
-    write_chain(b, chain[4:], size=300)
-    b.record_hits(chain[:2])
-    b.record_hits(chain[:1])
-    b.record_pin(chain[2:4])
-    b.flush()
-    clock.advance(10)
-    b.record_unpin(chain[3:4])
-    b.flush()
-    clock.advance(10)
-    report = run_compact(backend, clock, drop_keys=[chain[5]])
-    assert report.segments_folded == 3
-    assert report.keys == 5
-    assert report.keys_dropped == 1
-    assert not report.lost_race
-    usage = load_usage(backend, PREFIX, FP)
-    assert usage.generation == 1
-    assert len(usage) == 5
-    assert chain[5] not in usage
-    first = usage.row(chain[0])
-    assert first is not None
-    assert (first.hits, first.parent, first.size) == (2, ROOT_HASH, 100)
-    assert first.last_used == T0 + 10
-    pinned = {key: row_of(usage, key).pinned for key in chain[2:4]}
-    assert pinned == {chain[2]: True, chain[3]: False}
-    assert usage.last_used(chain[5]) is None
-    # The new snapshot serves a fresh instance, without the dropped key.
-    c = open_manifest(backend, clock, "c")
-    assert c.count_leading(chain) == 5
-
-
-def test_grace_window_keeps_segments_then_deletes_them(
-    backend: CountingBackend, clock: Clock
-) -> None:
-    a = open_manifest(backend, clock, "a", grace_s=60)
-    chain = make_chain(3, seed=11)
-    write_chain(a, chain[:1])
-    a.flush()
-    clock.advance(1)
-    first = run_compact(backend, clock, grace_s=60)
-    # Within the grace window the folded segment stays, and CURRENT lists it as folded.
-    assert first.segments_deleted == 0
-    current = Current.from_json(backend.inner.get(ROOT + CURRENT_NAME) or b"")
-    assert current.folded == (current.watermark,)
-    # A later segment moves the watermark past the grace window: the old one goes.
-    clock.advance(120)
-    write_chain(a, chain[1:2])
-    a.flush()
-    second = run_compact(backend, clock, grace_s=60)
-    assert second.segments_folded == 1
-    assert second.segments_deleted == 1
-    assert len(segment_keys(backend)) == 1
-    # Generations: the previous one stays, older ones are deleted.
-    clock.advance(120)
-    write_chain(a, chain[2:])
-    a.flush()
-    third = run_compact(backend, clock, grace_s=60)
-    assert third.snapshots_deleted == 2  # generation 1's bloom.bin + usage.bin
-    snapshots = {info.key.split("/")[-2] for info in backend.inner.list(ROOT + "snapshots/")}
-    assert snapshots == {"0000000002", "0000000003"}
-    assert open_manifest(backend, clock, "r").count_leading(chain) == 3
-
-
-def test_clock_skewed_segment_is_picked_up_within_grace(
-    backend: CountingBackend, clock: Clock
-) -> None:
-    a = open_manifest(backend, clock, "a")
-    reader = open_manifest(backend, clock, "reader")
-    chain = make_chain(3, seed=12)
-    write_chain(a, chain[:1])
-    a.flush()
-    clock.advance(1)
-    run_compact(backend, clock)
-    # Instance "late" runs 60 s behind: its segment is named before the watermark.
-    late = open_manifest(backend, Clock(clock.now - 60), "late")
-    late.record_write(chain[1], chain[0], 100)
-    late.flush()
-    # And one 700 s behind (beyond the 600 s grace): lost to readers, as documented.
-    lost = open_manifest(backend, Clock(clock.now - 700), "lost")
-    lost.record_write(chain[2], chain[1], 100)
-    lost.flush()
-    assert reader.refresh() >= 1
-    assert reader.may_contain(chain[1])
-    fresh = open_manifest(backend, clock, "fresh")
-    assert fresh.may_contain(chain[1])
-    assert not fresh.may_contain(chain[2])
-    # The next compaction folds the late segment instead of treating it as folded.
-    clock.advance(1)
-    report = run_compact(backend, clock)
-    assert report.segments_folded == 1
-    assert chain[1] in load_usage(backend, PREFIX, FP)
-
-
 class RacingBackend(CountingBackend):
     """Lets "another compactor" write ``key`` just before our PUT of a key ending ``when``."""
 
@@ -512,40 +297,6 @@ class RacingBackend(CountingBackend):
                                                    watermark="").to_json()),
     ],
 )  # fmt: skip
-def test_losing_compactor_replaces_and_deletes_nothing(
-    clock: Clock, when: str, their_key: str, their_data: bytes
-) -> None:
-    backend = RacingBackend(MemoryBackend(clock=clock), when, their_key, their_data)
-    a = open_manifest(backend, clock, "a", grace_s=0)
-    for key in make_chain(2, seed=13):
-        clock.advance(1)
-        a.record_write(key, ROOT_HASH, 1)
-        a.flush()
-    before = segment_keys(backend)
-    report = run_compact(backend, clock, grace_s=0)
-    assert report.lost_race
-    current = backend.inner.get(ROOT + CURRENT_NAME)
-    assert current is None or Current.from_json(current).generation == 7
-    assert segment_keys(backend) == before
-
-
-def test_full_listing_rebuilds_a_corrupt_snapshot(backend: CountingBackend, clock: Clock) -> None:
-    a = open_manifest(backend, clock, "a")
-    write_chain(a, make_chain(2, seed=14))
-    a.flush()
-    run_compact(backend, clock)
-    backend.inner.put(ROOT + CURRENT_NAME, b"{garbage")
-    with pytest.raises(CodecError):
-        run_compact(backend, clock)
-    listed = make_chain(3, seed=15)
-    report = run_compact(backend, clock, full_listing_keys=[(k, 10, T0) for k in listed])
-    assert report.generation == 2
-    assert report.listing_keys == 3
-    usage = load_usage(backend, PREFIX, FP)
-    assert all(key in usage for key in listed)
-    assert row_of(usage, listed[0]).parent is None  # a listing knows no parents
-
-
 # --- usage ------------------------------------------------------------------------------
 
 
@@ -575,25 +326,6 @@ def test_hottest_chains_respect_budget_and_order() -> None:
     assert table.hottest_chains(99) == []
     assert table.hottest_chains(0) == []
     assert sum(len(set(c)) for c in everything) >= 7
-
-
-def test_load_usage_folds_segments_newer_than_the_snapshot(
-    backend: CountingBackend, clock: Clock
-) -> None:
-    a = open_manifest(backend, clock, "a")
-    chain = make_chain(2, seed=22)
-    write_chain(a, chain)
-    a.flush()
-    run_compact(backend, clock)
-    clock.advance(30)
-    a.record_hits(chain)
-    a.record_hits(chain[:1])
-    a.flush()
-    usage = load_usage(backend, PREFIX, FP)
-    assert usage.segments_read == 1
-    assert usage.last_used(chain[0]) == T0 + 30
-    assert row_of(usage, chain[0]).hits == 2
-    assert usage.hottest_chains(10_000) == [chain]
 
 
 # --- background thread ------------------------------------------------------------------

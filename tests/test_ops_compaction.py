@@ -34,7 +34,6 @@ def test_segments_fold_into_a_snapshot(bucket: Bucket, clock: Clock) -> None:
         bucket.backend,
         scope,
         prefix=PREFIX,
-        capacity=1000,
         fpr=0.01,
         clock=clock,
         progress=lambda *a: calls.append(a),
@@ -48,7 +47,7 @@ def test_segments_fold_into_a_snapshot(bucket: Bucket, clock: Clock) -> None:
     # A second run has nothing new to fold; the keys stay.
     clock.now += DAY
     (_, again), *_ = compact_scope(
-        bucket.backend, scope, prefix=PREFIX, capacity=1000, fpr=0.01, clock=clock
+        bucket.backend, scope, prefix=PREFIX, fpr=0.01, clock=clock
     ).reports
     assert (again.keys, again.segments_folded) == (3, 0)
     assert again.generation > first.generation
@@ -58,15 +57,11 @@ def test_full_compaction_adopts_listed_objects(bucket: Bucket, clock: Clock) -> 
     (stray,) = bucket.chain(range(100, 104))
     bucket.put_block(stray)  # an object whose segment was lost
     scope = resolve_scope(bucket.backend, PREFIX)
-    plain = compact_scope(
-        bucket.backend, scope, prefix=PREFIX, capacity=1000, fpr=0.01, clock=clock
-    )
+    plain = compact_scope(bucket.backend, scope, prefix=PREFIX, fpr=0.01, clock=clock)
     assert plain.reports[0][1].keys == 0
     assert load_usage(bucket.backend, PREFIX, bucket.fingerprint).row(stray) is None
 
-    full = compact_scope(
-        bucket.backend, scope, prefix=PREFIX, capacity=1000, fpr=0.01, full=True, clock=clock
-    )
+    full = compact_scope(bucket.backend, scope, prefix=PREFIX, fpr=0.01, full=True, clock=clock)
     assert full.full
     assert (full.reports[0][1].listing_keys, full.reports[0][1].keys) == (1, 1)
     assert load_usage(bucket.backend, PREFIX, bucket.fingerprint).row(stray) is not None

@@ -70,9 +70,7 @@ def test_execute_deletes_and_rewrites_the_manifest(bucket: Bucket, clock: Clock)
     old, new = _seed(bucket, clock)
     scope = resolve_scope(bucket.backend, PREFIX)
     plan = plan_prune(bucket.backend, PREFIX, scope, older_than=WEEK, clock=clock)
-    report = execute_prune(
-        bucket.backend, plan, prefix=PREFIX, capacity=1000, fpr=0.01, clock=clock, batch_size=2
-    )
+    report = execute_prune(bucket.backend, plan, prefix=PREFIX, fpr=0.01, clock=clock, batch_size=2)
     assert report.complete
     assert (report.deleted.objects, report.failed.objects) == (3, 0)
     assert bucket.block_keys() == {bucket.object_key(k) for k in new}

@@ -67,7 +67,6 @@ def test_delete_removes_bad_objects_and_their_manifest_keys(bucket: Bucket) -> N
         prefix=PREFIX,
         sample=None,
         delete=True,
-        capacity=1000,
         fpr=0.01,
         clock=Clock(T0 + 1),
     )

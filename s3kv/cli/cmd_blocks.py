@@ -67,7 +67,6 @@ def prune(
                 s.backend,
                 plan,
                 prefix=s.prefix,
-                capacity=s.cfg.bloom_capacity,
                 fpr=s.cfg.bloom_fpr,
                 clock=rt.clock,
                 batch_size=batch_size,
@@ -315,7 +314,6 @@ def verify(
             sample=None if all_ else sample,
             seed=seed,
             delete=delete_corrupt,
-            capacity=s.cfg.bloom_capacity,
             fpr=s.cfg.bloom_fpr,
             threads=s.cfg.io_threads,
             clock=common.rt.clock,
@@ -370,7 +368,6 @@ def compact(
             s.backend,
             s.scope,
             prefix=s.prefix,
-            capacity=s.cfg.bloom_capacity,
             fpr=s.cfg.bloom_fpr,
             full=full,
             clock=common.rt.clock,
@@ -389,20 +386,18 @@ def compact(
             "#generation",
             "#keys",
             "#segments folded",
-            "#segments deleted",
+            "#shards",
             "#listed",
             "note",
         )
         for fp, r in report.reports:
-            note = "over bloom_capacity" if r.over_capacity else ""
-            if r.lost_race:
-                note = "another compactor won: re-run"
+            note = "another compactor won: re-run" if r.lost_race else ""
             t.add_row(
                 fp,
                 str(r.generation),
                 str(r.keys),
                 str(r.segments_folded),
-                str(r.segments_deleted),
+                str(r.shards),
                 str(r.listing_keys),
                 note,
             )

@@ -97,6 +97,15 @@ class ManifestIO:
                 self._count()
             yield info.key[len(base) :], info.size
 
+    def list_modified(self, directory: str) -> Iterator[tuple[str, float]]:
+        """``(name relative to directory, last modified epoch s)`` of its objects."""
+        base = self.root + directory
+        self._count()
+        for seen, info in enumerate(self.backend.list(base), start=1):
+            if seen % _LIST_PAGE == 0:
+                self._count()
+            yield info.key[len(base) :], info.last_modified
+
     def read_current(self) -> Current | None:
         """The ``CURRENT`` pointer, or ``None`` if no compaction ever ran.
 

@@ -1,37 +1,35 @@
 """The live manifest of one model fingerprint: which block keys exist, and their usage.
 
-Listing a bucket of millions of objects takes thousands of requests, so every instance
-keeps a Bloom filter of the keys in its fingerprint, built from objects under
-``<prefix>/<fp>/manifest/`` (formats in :mod:`s3kv.manifest.format`):
+Every instance answers "may this key be in the bucket?" from memory
+(:class:`~s3kv.manifest.filters.KeyFilter`), loaded from the manifest log
+(:mod:`s3kv.manifest.log`) and kept current by the instance's background thread:
 
-* **Segments** — immutable batches of records (write, hit, pin, unpin) that each instance
-  appends in the background (:meth:`Manifest.flush`).
-* **Snapshot** — a generation of ``bloom.bin`` (every live key) and ``usage.bin`` (one row
-  per live key), written by :func:`~s3kv.manifest.compact`, and the ``CURRENT`` pointer
-  written last.
+* **Startup** reads the ``LATEST`` hint, the entry it names (plus one probe for a newer
+  one), the snapshot's shard filters and the entry's deltas in parallel: ``3 + shards +
+  deltas`` requests (``max_deltas`` bounds the deltas), at any age and fleet size. It never
+  blocks the caller past ``open_timeout``: the load goes on in the background and lookups
+  miss until it is done (a claim needs staged bytes anyway, so a miss is only a recompute).
+* **Refresh** GETs the next entry (absent: nothing changed; one request whatever the
+  number of writers), then the deltas it adds and, after a new snapshot, its shard filters.
+* **Flush** appends this instance's records as one immutable segment (writes, pins at
+  once; hits coalesced and written at most once per ``hit_interval``).
+* **Compaction** (:mod:`s3kv.manifest.compactor`) runs on the one instance holding the
+  lease: it folds every writer's segments into deltas and snapshots. Every instance takes
+  the lease over when the holder stops publishing for ``lease_s``.
 
-Startup (:meth:`Manifest.open`) costs a number of requests independent of the key count
-but not of the manifest's age: GET ``CURRENT``, GET ``bloom.bin``, one LIST page per 1000
-recent segment names, and one GET per segment not yet folded into the snapshot, so it grows
-with the segments written since the last compaction (nothing compacts automatically yet:
-see the fleet-scale manifest issue).
-:meth:`Manifest.refresh` then reads other instances' new segments on a timer, so their
-writes become visible within the refresh interval, and reloads the Bloom filter when a
-compaction published a new generation.
+A bucket with no log yet (a new bucket, format 1, or a server without conditional PUT where
+nothing can be elected) is read the format-1 way, listing and reading every segment, until
+a log exists.
 
-Clock skew and late PUTs: segment names carry their writer's clock, and a reader lists from
-``(newest time it knows) - grace_s``, skipping names it already read. A segment whose
-writer's clock lags (or whose PUT lands late) by less than ``grace_s`` is still picked up;
-beyond that it is lost to readers (its keys become misses until ``s3kv compact --full``).
-
-Failure policy: lookups never touch the network. Storage errors during flush and refresh
-are counted and logged once per kind, never raised; corrupt segments and snapshots are
-skipped and counted. Everything held in memory is bounded (:meth:`Manifest.start`).
+Failure policy: lookups never touch the network. Storage errors during flush, refresh and
+compaction are counted and logged once per kind, never raised; corrupt objects are skipped
+and counted. Everything held in memory is bounded (:meth:`Manifest.start`).
 """
 
 from __future__ import annotations
 
 import logging
+import random
 import secrets
 import threading
 import time
@@ -42,18 +40,20 @@ from typing import Final
 from s3kv._logonce import LogOnce
 from s3kv.errors import CodecError, ConfigError, StorageError
 from s3kv.keys import HASH_BYTES, BlockHash
-from s3kv.manifest.bloom import BloomFilter
+from s3kv.manifest.compactor import CompactionPolicy, Compactor, legacy_usage
+from s3kv.manifest.filters import KeyFilter
 from s3kv.manifest.format import (
     KIND_PIN,
     KIND_UNPIN,
     KIND_WRITE,
     UNKNOWN_PARENT,
-    Current,
-    segment_time_ms,
+    Records,
     valid_instance_id,
 )
 from s3kv.manifest.io import ManifestIO, SegmentWriter
+from s3kv.manifest.log import LogEntry, ManifestLog
 from s3kv.manifest.queue import RecordQueue
+from s3kv.manifest.snapshot import delta_write_keys, parallel, read_delta, read_filters
 from s3kv.storage import Backend
 
 __all__ = ["Manifest"]
@@ -64,10 +64,10 @@ logger = logging.getLogger(__name__)
 _DEFAULT_FLUSH_KEYS: Final = 4096
 #: Pending records are bounded to this many flushes' worth.
 _PENDING_FACTOR: Final = 8
-#: Generation marker: CURRENT could not be read yet (retry on the next refresh).
-_UNKNOWN_GEN: Final = -2
-#: Generation marker: CURRENT exists but is corrupt (reload only when it changes).
-_CORRUPT_GEN: Final = -1
+#: Entries a refresh applies one by one before it jumps to the newest.
+_CATCH_UP: Final = 4
+#: Segment names remembered in format-1 mode (names seen are skipped).
+_MAX_SEEN: Final = 1_000_000
 
 _COUNTERS: Final = (
     "segments_written",
@@ -79,8 +79,13 @@ _COUNTERS: Final = (
     "refresh_errors",
     "refreshes",
     "reloads",
+    "deltas_read",
     "snapshots_corrupt",
     "thread_errors",
+    "compaction_cycles",
+    "compaction_errors",
+    "takeovers",
+    "fenced",
 )
 
 
@@ -91,16 +96,17 @@ def _check_keys(keys: Sequence[bytes]) -> None:
 
 
 class Manifest:
-    """The live manifest of one fingerprint: a Bloom filter plus a queue of new records.
+    """The live manifest of one fingerprint: a key filter plus a queue of new records.
 
     Create it with :meth:`open`. Lookups (:meth:`may_contain`, :meth:`count_leading`) are
     lock-free and never touch the network; ``record_*`` only append to memory; the network
-    is used by :meth:`flush` and :meth:`refresh`, which the background thread of
-    :meth:`start` calls. Thread-safe.
+    is used by :meth:`flush`, :meth:`refresh` and the compactor, which the background
+    threads of :meth:`start` drive. Thread-safe.
 
-    Memory: the Bloom filter (``bloom_capacity`` keys at ``bloom_fpr``: 36 MB for 10M keys
-    at 1e-6) plus at most ``8 × flush_keys`` pending records (~250 bytes each: 8 MB at the
-    default 4096), plus the names of the segments seen within the grace window.
+    Memory: the snapshot filters (3.7 bytes per key at the default rate), the growth
+    partitions (about 4.2 bytes per key added since the previous snapshot), at most
+    ``8 × flush_keys`` pending records (~250 bytes each), and on the compactor instance one
+    cycle's records plus the deltas' (bounded by ``CompactionPolicy.snapshot_cap``).
     """
 
     def __init__(
@@ -114,6 +120,8 @@ class Manifest:
         instance_id: str | None = None,
         clock: Callable[[], float] = time.time,
         grace_s: float = 600.0,
+        compaction: CompactionPolicy | None = None,
+        hit_interval: float = 600.0,
     ) -> None:
         instance = instance_id or secrets.token_hex(4)
         if not valid_instance_id(instance):
@@ -122,16 +130,24 @@ class Manifest:
             raise ConfigError(f"grace_s: must be >= 0, got {grace_s}")
         self.instance_id = instance
         self._io = ManifestIO(backend, prefix, fingerprint)
+        self._log = ManifestLog(self._io)
         self._writer = SegmentWriter(self._io, instance, clock)
         self._capacity, self._fpr = capacity, fpr
         self._clock = clock
-        self._grace_ms = round(grace_s * 1000)
-        self._bloom = BloomFilter.for_capacity(capacity, fpr)
-        self._generation = _UNKNOWN_GEN
-        self._seen: dict[str, int] = {}  # segment names within the window -> time ms
-        self._high_ms = 0  # newest segment time known (watermark included)
-        self._floor_ms = 0  # the snapshot's listing cutoff: older segments are folded
-        self._lock = threading.Lock()  # pending records, seen names, counters
+        self._hit_interval = hit_interval
+        self._filter = KeyFilter(fpr, growth_capacity=capacity)
+        self._entry: LogEntry | None = None
+        self._entry_seen_at = time.monotonic()
+        self._loaded_deltas: set[str] = set()
+        self._seen: set[str] = set()  # format-1 mode: segment names read
+        self._compactor: Compactor | None = None
+        if compaction is not None:
+            policy = CompactionPolicy(**{**vars(compaction), "fpr": fpr, "grace_s": grace_s})
+            self._compactor = Compactor(
+                self._io, instance, policy, clock=clock, legacy_usage=lambda: legacy_usage(self._io)
+            )
+        self._jitter = random.uniform(0.0, 0.25)  # NOTE: spreads simultaneous takeovers
+        self._lock = threading.Lock()  # pending records, counters
         self._flush_lock = threading.Lock()
         self._refresh_lock = threading.Lock()
         self._queue = RecordQueue(_PENDING_FACTOR * _DEFAULT_FLUSH_KEYS)
@@ -141,9 +157,10 @@ class Manifest:
         self._counters: Counter[str] = Counter()
         self._log_once = LogOnce(logger)
         self._open_requests = 0
+        self._loaded = threading.Event()
         self._stop = threading.Event()
         self._wake = threading.Event()
-        self._thread: threading.Thread | None = None
+        self._threads: list[threading.Thread] = []
 
     @classmethod
     def open(
@@ -157,23 +174,29 @@ class Manifest:
         instance_id: str | None = None,
         clock: Callable[[], float] = time.time,
         grace_s: float = 600.0,
+        compaction: CompactionPolicy | None = None,
+        hit_interval: float = 600.0,
+        open_timeout: float | None = None,
     ) -> Manifest:
-        """Load the manifest: snapshot Bloom filter plus the segments not folded into it.
+        """Load the manifest (see the module docstring for the requests), within a bound.
 
-        Requests: 1 GET ``CURRENT`` + 1 GET ``bloom.bin`` + 1 LIST per 1000 segment names in
-        the window + 1 GET per unfolded segment (see :attr:`open_requests`). Never raises
-        :class:`StorageError`: if the bucket fails, the manifest starts empty (lookups miss)
-        and the next :meth:`refresh` retries.
+        Never raises :class:`StorageError`: if the bucket fails, the manifest starts empty
+        (lookups miss) and the next :meth:`refresh` retries. If loading takes longer than
+        ``open_timeout`` seconds (``None``: wait), it returns at once and the load finishes
+        in the background (:attr:`loaded` says when).
 
         Args:
             backend: The bucket.
             prefix: The configured key prefix.
             fingerprint: The model fingerprint.
-            capacity: Keys the Bloom filter is sized for, when there is no snapshot.
-            fpr: Its false-positive rate at capacity.
+            capacity: Keys of the first growth partition (the filter grows past it).
+            fpr: Target false-positive rate of the whole filter.
             instance_id: Name of this instance in segment names; random if ``None``/empty.
             clock: Epoch seconds (injectable for tests).
-            grace_s: Tolerated clock skew and PUT delay between instances.
+            grace_s: Tolerated clock skew, and how long obsolete objects outlive their use.
+            compaction: Take part in compactor election (``None``: never compact).
+            hit_interval: Hits alone are flushed at most this often (seconds).
+            open_timeout: Longest :meth:`open` waits for the load.
 
         Raises:
             ConfigError: invalid ``instance_id`` or ``grace_s``.
@@ -187,30 +210,66 @@ class Manifest:
             instance_id=instance_id,
             clock=clock,
             grace_s=grace_s,
+            compaction=compaction,
+            hit_interval=hit_interval,
         )
-        manifest.refresh()
-        manifest._open_requests = manifest._io.requests
+        if open_timeout is None:
+            manifest._first_load()
+        else:
+            loader = threading.Thread(
+                target=manifest._first_load, name="s3kv-manifest-open", daemon=True
+            )
+            loader.start()
+            loader.join(max(0.0, open_timeout))
+            if loader.is_alive():
+                logger.warning(
+                    "s3kv manifest: still loading after %.1f s; serving meanwhile (misses "
+                    "until it is done)",
+                    open_timeout,
+                )
         return manifest
+
+    def _first_load(self) -> None:
+        self.refresh()
+        self._open_requests = self._io.requests
+        self._loaded.set()
 
     # --- lookups: memory only -------------------------------------------------------------
 
     def may_contain(self, key: bytes) -> bool:
         """Whether ``key`` may exist in the bucket (false positives at ~fpr). No network."""
-        return key in self._bloom
+        return key in self._filter
 
     def count_leading(self, keys: Sequence[bytes]) -> int:
         """Length of the leading run of ``keys`` that may exist. No network."""
-        return self._bloom.count_leading(keys)
+        return self._filter.count_leading(keys)
+
+    @property
+    def loaded(self) -> bool:
+        """Whether the first load finished (lookups miss everything before it)."""
+        return self._loaded.is_set()
 
     @property
     def open_requests(self) -> int:
-        """Requests :meth:`open` issued."""
+        """Requests the first load issued."""
         return self._open_requests
 
     @property
     def generation(self) -> int:
-        """Snapshot generation loaded (0: none exists; negative: not loadable yet)."""
-        return self._generation
+        """Snapshot generation loaded (0: none)."""
+        entry = self._entry
+        return entry.snapshot.generation if entry is not None and entry.snapshot else 0
+
+    @property
+    def version(self) -> int:
+        """Log version applied (0: none)."""
+        entry = self._entry
+        return 0 if entry is None else entry.version
+
+    @property
+    def is_compactor(self) -> bool:
+        """Whether this instance holds the compaction lease."""
+        return self._compactor is not None and self._compactor.holds(self._entry)
 
     @property
     def pending_records(self) -> int:
@@ -235,7 +294,7 @@ class Manifest:
         with self._lock:
             # NOTE: added under self._lock so that a concurrent Bloom reload (which re-adds
             # pending writes under the same lock) cannot lose it. add() validates the key.
-            self._bloom.add(record[0])
+            self._filter.add(record[0])
             self._queue.append(record)
             self._maybe_wake()
 
@@ -274,8 +333,11 @@ class Manifest:
 
     # --- flush ----------------------------------------------------------------------------
 
-    def flush(self) -> int:
+    def flush(self, force: bool = True) -> int:
         """Write one segment with every pending record; returns the records written.
+
+        With ``force=False`` (the timer), nothing is written while only hits wait and the
+        oldest has waited less than ``hit_interval`` (hits are coalesced per key).
 
         Never raises :class:`StorageError`: a failed PUT puts the records back (ahead of
         newer ones, still bounded; the excess oldest are dropped and counted), counts
@@ -283,13 +345,15 @@ class Manifest:
         """
         with self._flush_lock:
             with self._lock:
+                if not (force or self._queue.due(self._clock(), self._hit_interval)):
+                    return 0
                 taken = self._queue.take()
                 self._inflight = taken.write_keys()
             if not len(taken):
                 return 0
             rows = taken.to_array()
             try:
-                name = self._writer.write(rows)
+                self._writer.write(rows)
             except StorageError as exc:
                 with self._lock:
                     self._queue.put_back(taken)
@@ -301,7 +365,6 @@ class Manifest:
                 )
                 return 0
             with self._lock:
-                self._mark_seen(name)
                 self._inflight = []
                 self._flush_failing = False
                 self._counters["segments_written"] += 1
@@ -312,23 +375,14 @@ class Manifest:
     # --- refresh --------------------------------------------------------------------------
 
     def refresh(self) -> int:
-        """Read new segments of other instances (or a new snapshot); returns keys added.
+        """Apply newer log entries (or, with no log yet, read segments); returns keys added.
 
-        One GET of ``CURRENT`` plus one LIST, then a GET per new segment. If ``CURRENT``
-        names a new generation, the Bloom filter is rebuilt from it (keys recorded here
-        meanwhile are kept) and the return value counts the snapshot's keys too. Never
-        raises :class:`StorageError` (counted, logged once per kind).
+        Steady state: one GET (the next entry, absent). Never raises :class:`StorageError`
+        (counted, logged once per kind).
         """
         with self._refresh_lock:
             try:
-                current, generation = self._fetch_current()
-                if generation != self._generation:
-                    added = self._reload(current, generation)
-                else:
-                    added = self._read_new(self._bloom, self._window_start(), self._seen)
-                    with self._lock:
-                        floor = self._window_start()
-                        self._seen = {n: t for n, t in self._seen.items() if t >= floor}
+                added = self._refresh()
             except StorageError as exc:
                 with self._lock:
                     self._counters["refresh_errors"] += 1
@@ -341,137 +395,236 @@ class Manifest:
             self._log_once.rearm("refresh:")
             return added
 
-    def _fetch_current(self) -> tuple[Current | None, int]:
+    def _refresh(self) -> int:
+        entry = self._entry
+        if entry is None:
+            latest = self._read_entry(self._log.latest)
+            if latest is None:
+                return self._read_segments_v1()
+            return self._apply(latest)
+        added = 0
+        for _ in range(_CATCH_UP):
+            nxt = self._read_entry(lambda: self._log.read(self.version + 1))
+            if nxt is None:
+                return added
+            added += self._apply(nxt)
+        latest = self._read_entry(self._log.latest)  # far behind: jump to the newest
+        return added + (self._apply(latest) if latest is not None else 0)
+
+    def _read_entry(self, read: Callable[[], LogEntry | None]) -> LogEntry | None:
         try:
-            current = self._io.read_current()
+            return read()
         except CodecError as exc:
             with self._lock:
                 self._counters["snapshots_corrupt"] += 1
-            self._log_once("current", "s3kv manifest: CURRENT is corrupt (%s)", exc.kind)
-            return None, _CORRUPT_GEN
-        return current, 0 if current is None else current.generation
+            self._log_once("entry", "s3kv manifest: skipping a corrupt log entry (%s)", exc.kind)
+            return None
 
-    def _reload(self, current: Current | None, generation: int) -> int:
-        """Build a filter from ``current``'s snapshot plus newer segments, then swap it in."""
-        bloom = self._load_bloom(current) if current is not None else None
-        if bloom is None:
-            bloom = BloomFilter.for_capacity(self._capacity, self._fpr)
-        seen = {name: segment_time_ms(name) or 0 for name in (current.folded if current else ())}
-        floor = current.listing_cutoff_ms if current else 0
-        added = self._read_new(bloom, floor, seen)
+    def apply(self, entry: LogEntry) -> int:
+        """Apply an entry this process published (the compactor's); returns keys added."""
+        with self._refresh_lock:
+            if entry.version <= self.version:
+                return 0
+            return self._apply(entry)
+
+    def _apply(self, entry: LogEntry) -> int:
+        """Load what ``entry`` adds (new snapshot filters, new deltas); caller holds the lock."""
+        previous = self._entry
+        if previous is not None and entry.version <= previous.version:
+            return 0
+        new_snapshot = entry.snapshot is not None and (
+            previous is None
+            or previous.snapshot is None
+            or previous.snapshot.path != entry.snapshot.path
+        )
+        if previous is None or new_snapshot:
+            return self._reload(entry)
+        consecutive = entry.version == previous.version + 1
+        fresh = [
+            d
+            for d in entry.deltas
+            if d.path not in self._loaded_deltas and not (d.merged and consecutive)
+        ]
+        added = self._load_deltas(self._filter, [d.path for d in fresh])
+        self._set_entry(entry, {d.path for d in entry.deltas})
+        return added
+
+    def _reload(self, entry: LogEntry) -> int:
+        """Build a filter from ``entry``'s snapshot and deltas, then swap it in."""
+        snapshot = entry.snapshot
+        if snapshot is None:
+            built = KeyFilter(self._fpr, growth_capacity=self._capacity)
+        else:
+            shards, rebuilt = read_filters(self._io, snapshot)
+            if rebuilt:
+                with self._lock:
+                    self._counters["snapshots_corrupt"] += rebuilt
+            built = KeyFilter(
+                self._fpr,
+                shards,
+                snapshot.shard_bits,
+                growth_capacity=max(self._capacity, snapshot.keys // 8),
+            )
+        added = self._load_deltas(built, [d.path for d in entry.deltas])
         with self._lock:
-            # NOTE: writes recorded meanwhile are pending or in flight: re-add them. Own
-            # segments that landed after the listing are not in `seen` (flush marked them in
-            # the old dict), so the next refresh reads them back.
+            built.carry(self._filter)
+            # NOTE: writes recorded meanwhile are pending or in flight: keep them.
             writes = self._queue.write_keys() + self._inflight
             if writes:
-                bloom.add_many(writes)
-            self._bloom, self._generation = bloom, generation
-            self._seen, self._floor_ms = seen, floor
-            self._high_ms = max([current.watermark_ms if current else 0, *seen.values()])
+                built.add_many(writes)
+            self._filter = built
             self._counters["reloads"] += 1
-        return added + (current.keys if current else 0)
+        self._set_entry(entry, {d.path for d in entry.deltas})
+        return added + (snapshot.keys if snapshot else 0)
 
-    def _load_bloom(self, current: Current) -> BloomFilter | None:
-        """The snapshot's filter; rebuilt from ``usage.bin`` if ``bloom.bin`` is unusable."""
-        try:
-            data = self._io.get(current.bloom)
-            if data is not None:
-                return BloomFilter.from_bytes(data)
-            reason = "missing"
-        except CodecError as exc:
-            reason = exc.kind
-        with self._lock:
-            self._counters["snapshots_corrupt"] += 1
-        self._log_once("bloom", "s3kv manifest: bloom.bin unusable (%s); using usage.bin", reason)
-        try:
-            rows = self._io.read_usage(current)
-        except CodecError as exc:
-            self._log_once("usage", "s3kv manifest: usage.bin unusable too (%s)", exc.kind)
-            return None
-        bloom = BloomFilter.for_capacity(max(self._capacity, len(rows)), self._fpr)
-        bloom.add_array(rows["key"])
-        return bloom
-
-    def _window_start(self) -> int:
-        """Where a refresh lists from: ``grace_s`` before the newest segment time known."""
-        now_ms = round(self._clock() * 1000)
-        # NOTE: min() with the local clock so that one segment from a clock far ahead cannot
-        # move the window past everyone else's; max() with the snapshot's floor because
-        # older names are folded into it (or lost to every reader alike).
-        return max(self._floor_ms, min(self._high_ms, now_ms) - self._grace_ms)
-
-    def _read_new(self, bloom: BloomFilter, cutoff_ms: int, seen: dict[str, int]) -> int:
-        """GET segments at/after ``cutoff_ms`` not in ``seen``; add their writes to ``bloom``.
-
-        Marks each segment read (or corrupt) in ``seen``; one that fails with a storage
-        error is left unmarked, so the next refresh retries it.
-        """
-        with self._lock:
-            skip = set(seen)
-        added = 0
-        for name, time_ms in self._io.segments(cutoff_ms, skip):
+    def _load_deltas(self, into: KeyFilter, paths: list[str]) -> int:
+        def one(path: str) -> Records | None:
             try:
-                records = self._io.read_segment(name)
+                return read_delta(self._io, path)
             except CodecError as exc:
                 with self._lock:
                     self._counters["segments_corrupt"] += 1
-                    seen[name] = time_ms
                 self._log_once(
-                    f"segment:{exc.kind}",
-                    "s3kv manifest: skipping corrupt segment %s (%s)",
-                    name,
-                    exc.kind,
+                    "delta", "s3kv manifest: skipping corrupt delta %s (%s)", path, exc.kind
                 )
-                continue
+                return None
+
+        added = 0
+        for records in parallel(one, paths):
             if records is not None:
-                writes = records["key"][records["kind"] == KIND_WRITE]
-                bloom.add_array(writes)
-                added += len(writes)
-            with self._lock:
-                seen[name] = time_ms
-                if seen is self._seen:
-                    self._high_ms = max(self._high_ms, time_ms)
-                if records is not None:
-                    self._counters["segments_read"] += 1
+                keys = delta_write_keys(records)
+                into.add_array(keys)
+                added += len(keys)
+        with self._lock:
+            self._counters["deltas_read"] += len(paths)
         return added
 
-    def _mark_seen(self, name: str) -> None:
-        """Caller holds ``self._lock``."""
-        time_ms = segment_time_ms(name) or 0
-        self._seen[name] = time_ms
-        self._high_ms = max(self._high_ms, time_ms)
+    def _set_entry(self, entry: LogEntry, deltas: set[str]) -> None:
+        with self._lock:
+            self._entry = entry
+            self._entry_seen_at = time.monotonic()
+            self._loaded_deltas = deltas
+            self._seen.clear()
 
-    # --- background thread ----------------------------------------------------------------
+    def _read_segments_v1(self) -> int:
+        """No log yet: read every segment not read before (format 1, no compactor)."""
+        names = [name for name, _ in self._io.segments(0) if name not in self._seen]
+
+        def one(name: str) -> Records | bool | None:
+            try:
+                return self._io.read_segment(name)
+            except CodecError:
+                return False
+
+        added = 0
+        for name, records in zip(names, parallel(one, names), strict=True):
+            with self._lock:
+                if records is False:
+                    self._counters["segments_corrupt"] += 1
+                elif records is not None and records is not True:
+                    self._counters["segments_read"] += 1
+                if len(self._seen) < _MAX_SEEN:
+                    self._seen.add(name)
+            if records is not None and records is not False and records is not True:
+                writes = records["key"][records["kind"] == KIND_WRITE]
+                self._filter.add_array(writes)
+                added += len(writes)
+        return added
+
+    # --- compaction -----------------------------------------------------------------------
+
+    def compact_once(self) -> str:
+        """One round of the compactor duty: cycle if holding the lease, else maybe take it.
+
+        Returns what happened (``"cycle:<action>"``, ``"takeover"``, ``"lost"``,
+        ``"wait"``, ``"off"``). Never raises :class:`StorageError` (counted, logged).
+        """
+        compactor = self._compactor
+        if compactor is None:
+            return "off"
+        try:
+            entry = self._entry
+            if compactor.holds(entry):
+                assert entry is not None
+                report = compactor.cycle(entry)
+                with self._lock:
+                    self._counters["compaction_cycles"] += 1
+                if report.entry is None:
+                    with self._lock:
+                        self._counters["fenced"] += 1
+                    return "lost"
+                self.apply(report.entry)
+                return f"cycle:{report.action}"
+            if not self._takeover_due(entry):
+                return "wait"
+            taken = compactor.take_over(entry)
+            if taken is None:
+                return "lost"
+            with self._lock:
+                self._counters["takeovers"] += 1
+            self.apply(taken)
+            return "takeover"
+        except (StorageError, CodecError) as exc:
+            with self._lock:
+                self._counters["compaction_errors"] += 1
+            self._log_once(
+                f"compact:{exc.kind}", "s3kv manifest: compaction failed (%s): %s", exc.kind, exc
+            )
+            return "error"
+
+    def _takeover_due(self, entry: LogEntry | None) -> bool:
+        if not self._loaded.is_set():
+            return False
+        if entry is None:
+            return True  # no log yet: the first instance starts it (and migrates format 1)
+        if entry.holder == "":
+            return True
+        waited = time.monotonic() - self._entry_seen_at
+        return waited > entry.lease_s * (1.0 + self._jitter)
+
+    # --- background threads ---------------------------------------------------------------
 
     def start(
         self,
-        refresh_interval: float = 30.0,
-        flush_interval: float = 5.0,
+        refresh_interval: float = 10.0,
+        flush_interval: float = 60.0,
         flush_keys: int = _DEFAULT_FLUSH_KEYS,
     ) -> None:
-        """Start the one daemon thread that flushes and refreshes on timers.
+        """Start the daemon threads: flush and refresh on timers; the compactor duty.
 
-        It flushes every ``flush_interval`` seconds, and early once ``flush_keys`` records
-        wait; it refreshes every ``refresh_interval`` seconds (0 disables). Pending records
-        are bounded to ``8 × flush_keys``. Waits on an Event, so :meth:`close` and early
-        flushes wake it at once.
+        The manifest thread flushes every ``flush_interval`` seconds (early once
+        ``flush_keys`` records wait) and refreshes every ``refresh_interval`` seconds (0
+        disables). Pending records are bounded to ``8 × flush_keys``. With compaction on, a
+        second thread runs :meth:`compact_once` every ``interval_s`` (more often while it
+        waits to take a lease over). Both wait on Events, so :meth:`close` wakes them.
 
         Raises:
             RuntimeError: already started.
         """
-        if self._thread is not None:
+        if self._threads:
             raise RuntimeError("Manifest.start: already started")
         with self._lock:
             self._flush_keys = max(1, flush_keys)
             self._queue.bound = _PENDING_FACTOR * self._flush_keys
-        self._thread = threading.Thread(
-            target=self._run,
-            args=(refresh_interval, flush_interval),
-            name=f"s3kv-manifest-{self.instance_id}",
-            daemon=True,
+        self._threads.append(
+            threading.Thread(
+                target=self._run,
+                args=(refresh_interval, flush_interval),
+                name=f"s3kv-manifest-{self.instance_id}",
+                daemon=True,
+            )
         )
-        self._thread.start()
+        if self._compactor is not None:
+            self._threads.append(
+                threading.Thread(
+                    target=self._run_compactor,
+                    args=(self._compactor.policy.interval_s, refresh_interval),
+                    name=f"s3kv-compactor-{self.instance_id}",
+                    daemon=True,
+                )
+            )
+        for thread in self._threads:
+            thread.start()
 
     def _run(self, refresh_interval: float, flush_interval: float) -> None:
         now = time.monotonic()
@@ -486,10 +639,12 @@ class Manifest:
             # NOTE: this thread must outlive any bug in one round; a dead refresher would
             # silently stop all manifest updates, so log it with the traceback and go on.
             try:
-                if (woken and not self._flush_failing) or now >= next_flush:
+                if woken and not self._flush_failing:
                     self.flush()
-                    if flush_interval > 0:
-                        next_flush = now + flush_interval
+                elif now >= next_flush:
+                    self.flush(force=False)
+                if now >= next_flush and flush_interval > 0:
+                    next_flush = now + flush_interval
                 if now >= next_refresh:
                     self.refresh()
                     next_refresh = now + refresh_interval
@@ -498,35 +653,65 @@ class Manifest:
                 with self._lock:
                     self._counters["thread_errors"] += 1
 
+    def _run_compactor(self, interval: float, refresh_interval: float) -> None:
+        # NOTE: a waiting candidate checks as often as it refreshes, so a dead holder is
+        # replaced within lease_s + refresh_interval; the holder cycles every interval.
+        while not self._stop.is_set():
+            try:
+                self.compact_once()
+            except Exception:
+                logger.exception("s3kv manifest: compactor round failed")
+                with self._lock:
+                    self._counters["thread_errors"] += 1
+            wait = interval if self.is_compactor else min(interval, refresh_interval or interval)
+            self._stop.wait(max(0.05, wait))
+
     def close(self, flush: bool = True, timeout: float | None = None) -> None:
-        """Stop the background thread (waiting up to ``timeout``), then flush if asked.
+        """Stop the threads (waiting up to ``timeout``), flush if asked, hand the lease over.
 
         Idempotent. Records recorded after ``close`` stay pending until a :meth:`flush`.
+        A compactor folds what is left and publishes one last entry with no holder, so
+        another instance takes over at its next check instead of after the lease.
         """
         self._stop.set()
         self._wake.set()
-        if self._thread is not None:
-            self._thread.join(timeout)
+        for thread in self._threads:
+            thread.join(timeout)
         if flush:
             self.flush()
+        compactor, entry = self._compactor, self._entry
+        if compactor is not None and entry is not None and compactor.holds(entry):
+            # NOTE: one last cycle folds what was just flushed, so the next instance (a
+            # redeploy) sees every block at startup instead of after the next compaction.
+            try:
+                last = compactor.cycle(entry).entry
+                if last is not None:
+                    compactor.release(last)
+            except (StorageError, CodecError) as exc:
+                self._log_once("release", "s3kv manifest: lease not released (%s)", exc.kind)
 
     def stats(self) -> dict[str, float]:
         """Counters and gauges, by name (all present from the start, 0 until counted).
 
         Counters: ``segments_written``, ``segments_read``, ``segments_corrupt``,
         ``records_flushed``, ``records_dropped``, ``flush_errors``, ``refresh_errors``,
-        ``refreshes``, ``reloads``, ``snapshots_corrupt``, ``thread_errors``, ``requests``.
-        Gauges: ``pending_records``, ``keys_in_filter`` (inserts; an upper bound),
-        ``bloom_bytes``, ``generation``, ``open_requests``.
+        ``refreshes``, ``reloads``, ``deltas_read``, ``snapshots_corrupt``,
+        ``thread_errors``, ``compaction_cycles``, ``compaction_errors``, ``takeovers``,
+        ``fenced``, ``requests``. Gauges: ``pending_records``, ``keys_in_filter``
+        (inserts; an upper bound), ``bloom_bytes`` (every filter held), ``generation``,
+        ``version``, ``compactor`` (1 while holding the lease), ``open_requests``.
         """
         with self._lock:
             values: dict[str, float] = dict.fromkeys(_COUNTERS, 0.0)
             values.update({name: float(value) for name, value in self._counters.items()})
             values["pending_records"] = float(len(self._queue))
             values["records_dropped"] = float(self._queue.dropped)
-        values["keys_in_filter"] = float(self._bloom.count)
-        values["bloom_bytes"] = float(self._bloom.nbytes)
-        values["generation"] = float(self._generation)
+        keyfilter = self._filter
+        values["keys_in_filter"] = float(keyfilter.snapshot_keys + keyfilter.growth_keys)
+        values["bloom_bytes"] = float(keyfilter.nbytes)
+        values["generation"] = float(self.generation)
+        values["version"] = float(self.version)
+        values["compactor"] = float(self.is_compactor)
         values["open_requests"] = float(self._open_requests)
         values["requests"] = float(self._io.requests)
         return values

@@ -37,6 +37,7 @@ class RecordQueue:
         self.dropped = 0
         self._records: deque[Record] = deque()
         self._hits: dict[bytes, list[float]] = {}  # key -> [count, latest time]
+        self._oldest_hit = float("inf")  # when the oldest pending hit was added
 
     def __len__(self) -> int:
         return len(self._records) + len(self._hits)
@@ -53,9 +54,21 @@ class RecordQueue:
             if entry is None:
                 self._drop_beyond(self.bound - 1)
                 self._hits[bytes(key)] = [1.0, now]
+                self._oldest_hit = min(self._oldest_hit, now)
             else:
                 entry[0] += 1
                 entry[1] = now
+
+    def due(self, now: float, hit_interval: float) -> bool:
+        """Whether a flush has something to write now.
+
+        Writes, pins and unpins are always due; hits alone only once the oldest has waited
+        ``hit_interval`` seconds, so a busy instance that only serves hits writes one
+        segment per ``hit_interval`` instead of one per flush.
+        """
+        if self._records:
+            return True
+        return bool(self._hits) and now - self._oldest_hit >= hit_interval
 
     def write_keys(self) -> list[bytes]:
         """Keys of the queued write records."""
@@ -65,7 +78,9 @@ class RecordQueue:
         """Move every record into a new queue (returned) and leave this one empty."""
         taken = RecordQueue(self.bound)
         taken._records, taken._hits = self._records, self._hits
+        taken._oldest_hit = self._oldest_hit
         self._records, self._hits = deque(), {}
+        self._oldest_hit = float("inf")
         return taken
 
     def put_back(self, older: RecordQueue) -> None:
@@ -80,6 +95,7 @@ class RecordQueue:
                 old[1] = max(old[1], entry[1])
         older._records.extend(self._records)
         self._records, self._hits = older._records, hits
+        self._oldest_hit = min(self._oldest_hit, older._oldest_hit)
         self._drop_beyond(self.bound)
 
     def to_array(self) -> Records:

@@ -36,10 +36,8 @@ from s3kv.manifest.format import (
     USAGE_DTYPE,
     Records,
 )
-from s3kv.manifest.io import ManifestIO, read_segments
-from s3kv.storage import Backend
 
-__all__ = ["UsageRow", "UsageTable", "fold", "load_usage", "remove_keys"]
+__all__ = ["UsageRow", "UsageTable", "fold", "remove_keys"]
 
 _MAX_HITS: Final = 2**32 - 1
 _NO_ROW: Final = -1
@@ -365,32 +363,3 @@ def _chains(
             path.append(parent_idx[path[-1]])
         chains.append([BlockHash(bytes(keys[i])) for i in reversed(path)])
     return chains
-
-
-def load_usage(backend: Backend, prefix: str, fingerprint: str) -> UsageTable:
-    """The current snapshot's usage with the segments newer than it folded in (in memory).
-
-    Corrupt segments are skipped and counted in :attr:`UsageTable.segments_corrupt`.
-
-    Raises:
-        StorageError: the bucket failed.
-        CodecError: ``CURRENT`` or the snapshot's usage table is corrupt or missing.
-    """
-    io = ManifestIO(backend, prefix, fingerprint)
-    current = io.read_current()
-    if current is None:
-        usage, cutoff, skip = np.zeros(0, USAGE_DTYPE), 0, frozenset[str]()
-    else:
-        usage, cutoff, skip = (
-            io.read_usage(current),
-            current.listing_cutoff_ms,
-            frozenset(current.folded),
-        )
-    names = [name for name, _ in io.segments(cutoff, skip)]
-    records, read, corrupt = read_segments(io, names)
-    return UsageTable(
-        fold(usage, records),
-        generation=0 if current is None else current.generation,
-        segments_read=len(read),
-        segments_corrupt=len(corrupt),
-    )

@@ -50,7 +50,6 @@ def compact_scope(
     scope: Sequence[Fingerprint],
     *,
     prefix: str,
-    capacity: int,
     fpr: float,
     full: bool = False,
     clock: Callable[[], float] = time.time,
@@ -62,7 +61,6 @@ def compact_scope(
         backend: The bucket.
         scope: Fingerprints to compact.
         prefix: The configured key prefix.
-        capacity: ``bloom_capacity`` for the new filters.
         fpr: ``bloom_fpr`` for them.
         full: Fold in a listing of the block objects too.
         clock: Epoch seconds.
@@ -87,7 +85,6 @@ def compact_scope(
                 backend,
                 prefix,
                 fp.fingerprint,
-                capacity=capacity,
                 fpr=fpr,
                 clock=clock,
                 full_listing_keys=listing,

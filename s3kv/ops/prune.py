@@ -312,7 +312,6 @@ def execute_prune(
     plan: PrunePlan,
     *,
     prefix: str,
-    capacity: int,
     fpr: float,
     clock: Callable[[], float] = time.time,
     batch_size: int = DELETE_BATCH,
@@ -328,7 +327,6 @@ def execute_prune(
         backend: The bucket.
         plan: From :func:`plan_prune`.
         prefix: The configured key prefix.
-        capacity: ``bloom_capacity`` for the new snapshot's filter.
         fpr: ``bloom_fpr`` for it.
         clock: Epoch seconds (compaction's clock).
         batch_size: Keys per DeleteObjects request (1..1000).
@@ -358,7 +356,7 @@ def execute_prune(
             outcome = replace(outcome, manifest_error="not rewritten: the run stopped")
         else:
             drop = [o.block for o in deleted if o.block is not None] + list(fp_plan.forget)
-            outcome = _rewrite_manifest(backend, prefix, outcome, drop, capacity, fpr, clock)
+            outcome = _rewrite_manifest(backend, prefix, outcome, drop, fpr, clock)
         outcomes.append(outcome)
     return PruneReport(plan=plan, dry_run=False, outcomes=tuple(outcomes), interrupted=interrupted)
 
@@ -405,7 +403,6 @@ def _rewrite_manifest(
     prefix: str,
     outcome: FingerprintOutcome,
     drop: list[BlockHash],
-    capacity: int,
     fpr: float,
     clock: Callable[[], float],
 ) -> FingerprintOutcome:
@@ -416,7 +413,6 @@ def _rewrite_manifest(
             backend,
             prefix,
             outcome.fingerprint,
-            capacity=capacity,
             fpr=fpr,
             clock=clock,
             drop_keys=drop,

@@ -109,7 +109,6 @@ def verify_objects(
     sample: int | None = 100,
     seed: int | None = None,
     delete: bool = False,
-    capacity: int = 10_000_000,
     fpr: float = 1e-6,
     threads: int = 8,
     clock: Callable[[], float] = time.time,
@@ -124,7 +123,6 @@ def verify_objects(
         sample: Objects per fingerprint, chosen at random; ``None`` for all.
         seed: Seed of the sample (reproducible runs).
         delete: Delete corrupt and foreign objects, then rewrite the manifest.
-        capacity: ``bloom_capacity`` for a rewritten snapshot.
         fpr: ``bloom_fpr`` for it.
         threads: Concurrent GETs.
         clock: Epoch seconds (compaction's clock).
@@ -158,7 +156,7 @@ def verify_objects(
         findings=tuple(findings),
     )
     if delete and any(f.verdict in _DELETABLE for f in findings):
-        report = _delete(backend, report, prefix, capacity, fpr, clock)
+        report = _delete(backend, report, prefix, fpr, clock)
     return report
 
 
@@ -191,7 +189,6 @@ def _delete(
     backend: Backend,
     report: VerifyReport,
     prefix: str,
-    capacity: int,
     fpr: float,
     clock: Callable[[], float],
 ) -> VerifyReport:
@@ -210,7 +207,6 @@ def _delete(
                 backend,
                 prefix,
                 fingerprint,
-                capacity=capacity,
                 fpr=fpr,
                 clock=clock,
                 drop_keys=keys,

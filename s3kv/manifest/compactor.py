@@ -1,0 +1,450 @@
+"""The compactor: one per fingerprint, elected through the manifest log, folding segments.
+
+Election and fencing use nothing but conditional creates of log entries
+(:mod:`s3kv.manifest.log`). The holder of the lease is the ``holder`` of the newest entry.
+It publishes entry ``V + 1`` every ``interval_s`` (at least every ``lease_s / 3``, as a
+heartbeat); any instance that has seen no newer entry for ``lease_s`` creates ``V + 1``
+naming itself. Creating ``V + 1`` can succeed for one writer only, so:
+
+* two instances taking over at once: one wins, the other reads the winner and waits;
+* a holder paused past its lease wakes, tries ``V + 1`` (or later), finds it taken and
+  steps down before it deletes anything (it only ever deletes what a version *it*
+  published made obsolete, which stays obsolete in every later version);
+* a holder killed mid-cycle leaves objects no entry names; the next holder's sweep
+  deletes unreferenced objects older than the grace period.
+
+Each cycle lists the segments (one page per 1000: a steady state holds about one segment
+per writer), reads them in parallel, coalesces their records into a *delta*, and publishes
+an entry naming it; then it deletes the folded segments. When the deltas outgrow
+``max_deltas`` they are merged into one; when their records outgrow the snapshot policy
+a new sharded snapshot is written (:func:`~s3kv.manifest.snapshot.write_snapshot`).
+Readers therefore fetch a bounded number of objects per refresh whatever the number of
+writers.
+
+Migration: the first holder over a bucket written by format 1 (``CURRENT`` and a
+``usage.bin``) folds that usage table and every segment into the first snapshot.
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+import threading
+import time
+from collections.abc import Callable, Collection, Iterable, Sequence
+from dataclasses import dataclass
+from typing import Final
+
+import numpy as np
+
+from s3kv.errors import CodecError, StorageError
+from s3kv.manifest.format import RECORD_DTYPE, SEGMENTS_DIR, SNAPSHOTS_DIR, Records
+from s3kv.manifest.io import ManifestIO
+from s3kv.manifest.log import (
+    LOG_DIR,
+    DeltaRef,
+    LogEntry,
+    ManifestLog,
+    SnapshotRef,
+    log_name,
+    log_version,
+)
+from s3kv.manifest.snapshot import (
+    coalesce,
+    delta_write_keys,
+    parallel,
+    read_delta,
+    write_delta,
+    write_snapshot,
+)
+from s3kv.manifest.xorfilter import XorFilter
+
+__all__ = ["DELTAS_DIR", "CompactionPolicy", "Compactor", "CycleReport", "legacy_usage"]
+
+logger = logging.getLogger(__name__)
+
+DELTAS_DIR: Final = "deltas/"
+#: Sweep unreferenced objects and old log entries this often (seconds).
+_SWEEP_EVERY: Final = 3600.0
+
+
+def legacy_usage(io: ManifestIO) -> Records | None:
+    """The format-1 snapshot's usage rows (``CURRENT`` + ``usage.bin``), for migration.
+
+    ``None`` when there is none or it cannot be read (logged: its keys are then rebuilt
+    only from segments, or by ``s3kv compact --full``).
+    """
+    try:
+        current = io.read_current()
+        return None if current is None else io.read_usage(current)
+    except CodecError as exc:
+        logger.warning("s3kv manifest: format-1 snapshot unreadable (%s); not migrated", exc.kind)
+        return None
+
+
+@dataclass(frozen=True)
+class CompactionPolicy:
+    """When the compactor publishes, merges and snapshots.
+
+    Attributes:
+        interval_s: Seconds between cycles of the holder.
+        lease_s: Others take the lease over after seeing no new entry for this long.
+        max_deltas: Deltas an entry may name (>= 2); one more merges the old ones into one.
+        snapshot_records: Delta records that trigger a snapshot, at least ...
+        snapshot_ratio: ... or this fraction of the snapshot's keys, whichever is larger,
+        snapshot_cap: ... but never more than this (bounds the compactor's memory).
+        shard_keys: Keys per snapshot shard.
+        fpr: Target false-positive rate (sets the filters' fingerprint bits).
+        grace_s: Unreferenced objects and old entries live this long (readers mid-load).
+        max_segments: Segments folded per cycle at most (bounds a cycle's memory).
+        keep_versions: Log entries kept behind the newest.
+    """
+
+    interval_s: float = 20.0
+    lease_s: float = 60.0
+    max_deltas: int = 6
+    snapshot_records: int = 100_000
+    snapshot_ratio: float = 0.25
+    snapshot_cap: int = 4_000_000
+    shard_keys: int = 8_000_000
+    fpr: float = 1e-6
+    grace_s: float = 600.0
+    max_segments: int = 20_000
+    keep_versions: int = 64
+
+    def snapshot_due(self, delta_records: int, snapshot_keys: int) -> bool:
+        """Whether deltas of ``delta_records`` should become a new snapshot."""
+        threshold = max(self.snapshot_records, round(self.snapshot_ratio * snapshot_keys))
+        return delta_records >= min(threshold, self.snapshot_cap)
+
+
+@dataclass(frozen=True)
+class CycleReport:
+    """What one cycle did.
+
+    Attributes:
+        entry: The entry published (``None``: fenced, another instance holds the lease).
+        segments: Segments folded.
+        corrupt: Segments skipped as corrupt (deleted like folded ones).
+        records: Records folded.
+        action: ``"delta"``, ``"merge"``, ``"snapshot"``, ``"heartbeat"``, ``"idle"`` or
+            ``"fenced"``.
+        requests: Requests the cycle issued.
+        dropped: Live keys a snapshot removed because they were in ``drop``.
+    """
+
+    entry: LogEntry | None
+    segments: int
+    corrupt: int
+    records: int
+    action: str
+    requests: int
+    dropped: int
+
+
+class Compactor:
+    """Holds (or tries to take) one fingerprint's compaction lease and runs cycles.
+
+    Not thread-safe: one thread drives it. Every method may raise
+    :class:`~s3kv.errors.StorageError` (nothing published, nothing deleted).
+
+    Args:
+        io: The fingerprint's manifest objects.
+        instance_id: This instance's id (the ``holder`` of the entries it publishes).
+        policy: Cycle, lease and snapshot policy.
+        clock: Epoch seconds.
+        legacy_usage: Reads a format-1 usage table for migration (``None``: none).
+    """
+
+    def __init__(
+        self,
+        io: ManifestIO,
+        instance_id: str,
+        policy: CompactionPolicy,
+        *,
+        clock: Callable[[], float] = time.time,
+        legacy_usage: Callable[[], Records | None] | None = None,
+    ) -> None:
+        self.io = io
+        self.log = ManifestLog(io)
+        self.instance_id = instance_id
+        self.policy = policy
+        self._clock = clock
+        self._legacy_usage = legacy_usage
+        self.token = secrets.token_hex(4)
+        self.fp_bits = XorFilter.fp_bits_for(policy.fpr)
+        self._pending: set[str] = set()  # folded segments not yet deleted
+        self._superseded: list[tuple[float, list[str]]] = []  # (delete after, paths)
+        self._delta_cache: dict[str, Records] = {}
+        self._last_publish = 0.0
+        self._last_sweep = 0.0
+        self._lock = threading.Lock()
+
+    # --- the lease ------------------------------------------------------------------------
+
+    def holds(self, entry: LogEntry | None) -> bool:
+        """Whether ``entry`` names this compactor's current term."""
+        return entry is not None and entry.holder == self.instance_id and entry.token == self.token
+
+    def take_over(self, entry: LogEntry | None, *, lease_s: float | None = None) -> LogEntry | None:
+        """Create the entry after ``entry`` naming this instance; ``None`` if another won.
+
+        The new term starts with the previous holder's undeleted segments (``folded``),
+        which it deletes before folding anything, so nothing is folded twice.
+        """
+        self.token = secrets.token_hex(4)
+        self._delta_cache.clear()
+        lease = self.policy.lease_s if lease_s is None else lease_s
+        now = self._clock()
+        if entry is None:
+            taken = LogEntry(1, self.instance_id, self.token, lease, None, created_at=now)
+        else:
+            taken = entry.next(
+                holder=self.instance_id,
+                token=self.token,
+                lease_s=lease,
+                folded=entry.folded,
+                created_at=now,
+            )
+        if not self.log.append(taken):
+            return None
+        self._pending = set(taken.folded)
+        self._last_publish = time.monotonic()
+        self._last_sweep = 0.0
+        logger.info(
+            "s3kv manifest: %s holds the compaction lease (v%d)", self.instance_id, taken.version
+        )
+        return taken
+
+    def release(self, entry: LogEntry) -> bool:
+        """Publish an entry with no holder, so another instance takes over at once."""
+        if not self.holds(entry):
+            return False
+        return self.log.append(
+            entry.next(holder="", folded=tuple(sorted(self._pending)), created_at=self._clock())
+        )
+
+    # --- a cycle --------------------------------------------------------------------------
+
+    def cycle(
+        self,
+        entry: LogEntry,
+        *,
+        force_snapshot: bool = False,
+        drop: Collection[bytes] = (),
+        listing: Sequence[tuple[bytes, int, float]] | None = None,
+    ) -> CycleReport:
+        """Fold new segments into ``entry`` and publish the next entry if there is news.
+
+        ``entry`` must be the newest entry and held by this compactor. Publishes when
+        segments were folded, a snapshot is forced, or a heartbeat is due. ``drop`` (keys
+        prune deleted) and ``listing`` (``(key, size, last_modified)`` of every block
+        object, to rebuild from) force a snapshot; with a listing, a base snapshot that
+        cannot be read is replaced by it.
+        """
+        start_requests = self.io.requests
+        self._delete_pending()
+        names = self._unfolded_segments()
+        batches = parallel(self._read_segment, names)
+        corrupt = [name for name, got in zip(names, batches, strict=True) if got is False]
+        folded = [name for name, got in zip(names, batches, strict=True) if got is not False]
+        loaded = [got for got in batches if got is not None and got is not False]
+        new = coalesce(np.concatenate(loaded)) if loaded else np.zeros(0, RECORD_DTYPE)
+        legacy = self._legacy() if entry.snapshot is None else None
+        version = entry.version + 1
+        snapshot, deltas, action, dropped = entry.snapshot, entry.deltas, "idle", 0
+        force_snapshot = force_snapshot or bool(drop) or listing is not None
+        if (
+            force_snapshot
+            or legacy is not None
+            or (
+                len(new)
+                and self.policy.snapshot_due(
+                    entry.delta_records + len(new), snapshot.keys if snapshot else 0
+                )
+            )
+        ):
+            merged = coalesce(np.concatenate([*self._delta_records(entry), new]))
+            snapshot, dropped = self._write_snapshot(
+                snapshot, merged, version, legacy, drop, listing
+            )
+            deltas, action = (), "snapshot"
+        elif len(new):
+            merge = len(deltas) + 1 > self.policy.max_deltas
+            if merge:
+                # NOTE: the merged delta holds only what readers already have, so a reader
+                # following every entry skips it; the new records stay a delta of their own.
+                old = coalesce(np.concatenate(self._delta_records(entry)))
+                deltas = (self._write_delta(f"{version:020d}-{self.token}-m", old, merged=True),)
+            fresh = self._write_delta(f"{version:020d}-{self.token}", new, merged=False)
+            deltas, action = (*deltas, fresh), "merge" if merge else "delta"
+        elif time.monotonic() - self._last_publish < self.policy.lease_s / 3 and not names:
+            return CycleReport(entry, 0, 0, 0, "idle", self.io.requests - start_requests, 0)
+        else:
+            action = "heartbeat"
+        self._pending.update(folded, corrupt)
+        nxt = entry.next(
+            holder=self.instance_id,
+            token=self.token,
+            lease_s=entry.lease_s if entry.holder == self.instance_id else self.policy.lease_s,
+            snapshot=snapshot,
+            deltas=deltas,
+            folded=tuple(sorted(self._pending)),
+            created_at=self._clock(),
+        )
+        if not self.log.append(nxt):
+            logger.warning(
+                "s3kv manifest: %s lost the compaction lease at v%d; stepping down",
+                self.instance_id,
+                version,
+            )
+            self._pending.clear()
+            return CycleReport(None, 0, 0, 0, "fenced", self.io.requests - start_requests, 0)
+        self._last_publish = time.monotonic()
+        self._after_publish(entry, nxt)
+        return CycleReport(
+            nxt,
+            len(folded),
+            len(corrupt),
+            len(new),
+            action,
+            self.io.requests - start_requests,
+            dropped,
+        )
+
+    def _write_snapshot(
+        self,
+        base: SnapshotRef | None,
+        records: Records,
+        version: int,
+        legacy: Records | None,
+        drop: Collection[bytes],
+        listing: Sequence[tuple[bytes, int, float]] | None,
+    ) -> tuple[SnapshotRef, int]:
+        generation = (base.generation if base else 0) + 1
+
+        def write(base: SnapshotRef | None, suffix: str) -> tuple[SnapshotRef, int]:
+            return write_snapshot(
+                self.io,
+                base,
+                records,
+                path=f"{SNAPSHOTS_DIR}{version:020d}-{self.token}{suffix}",
+                generation=generation,
+                shard_keys=self.policy.shard_keys,
+                fp_bits=self.fp_bits,
+                created_at=self._clock(),
+                base_rows=legacy,
+                listing=listing or (),
+                drop=drop,
+            )
+
+        try:
+            return write(base, "")
+        except CodecError as exc:
+            if listing is None or base is None:
+                raise
+            logger.warning(
+                "s3kv manifest: snapshot unreadable (%s); rebuilding from the listing", exc.kind
+            )
+            return write(None, "-rebuilt")
+
+    def _write_delta(self, name: str, records: Records, *, merged: bool) -> DeltaRef:
+        path = f"{DELTAS_DIR}{name}.delta"
+        write_delta(self.io, path, records)
+        self._delta_cache[path] = records
+        return DeltaRef(path, len(records), len(delta_write_keys(records)), merged=merged)
+
+    def _unfolded_segments(self) -> list[str]:
+        names = [name for name, _ in self.io.segments(0) if name not in self._pending]
+        return names[: self.policy.max_segments]
+
+    def _read_segment(self, name: str) -> Records | bool | None:
+        """Records, ``None`` (vanished) or ``False`` (corrupt)."""
+        try:
+            return self.io.read_segment(name)
+        except CodecError as exc:
+            logger.warning("s3kv manifest: skipping corrupt segment %s (%s)", name, exc.kind)
+            return False
+
+    def _delta_records(self, entry: LogEntry) -> list[Records]:
+        """Records of ``entry``'s deltas (cached when this term wrote them)."""
+
+        def one(ref: DeltaRef) -> Records:
+            cached = self._delta_cache.get(ref.path)
+            if cached is not None:
+                return cached
+            try:
+                records = read_delta(self.io, ref.path)
+            except CodecError as exc:
+                logger.warning("s3kv manifest: skipping corrupt delta %s (%s)", ref.path, exc.kind)
+                records = None
+            return np.zeros(0, RECORD_DTYPE) if records is None else records
+
+        return parallel(one, list(entry.deltas))
+
+    def _legacy(self) -> Records | None:
+        if self._legacy_usage is None:
+            return None
+        rows = self._legacy_usage()
+        self._legacy_usage = None  # NOTE: migrate once per term: the next entry has a snapshot
+        return rows
+
+    # --- deleting what is obsolete ----------------------------------------------------------
+
+    def _after_publish(self, previous: LogEntry, published: LogEntry) -> None:
+        now = self._clock()
+        self._delete_pending()
+        gone = sorted(previous.objects() - published.objects())
+        if gone:
+            self._superseded.append((now + self.policy.grace_s, gone))
+        for path in gone:
+            self._delta_cache.pop(path, None)
+        due = [paths for when, paths in self._superseded if when <= now]
+        self._superseded = [(w, p) for w, p in self._superseded if w > now]
+        self._delete([path for paths in due for path in paths])
+        if time.monotonic() - self._last_sweep >= _SWEEP_EVERY or not self._last_sweep:
+            self._last_sweep = time.monotonic()
+            self.sweep(published)
+
+    def _delete_pending(self) -> None:
+        if not self._pending:
+            return
+        names = sorted(self._pending)
+        try:
+            self.io.delete([SEGMENTS_DIR + name for name in names])
+        except StorageError as exc:
+            logger.warning("s3kv manifest: could not delete folded segments (%s)", exc.kind)
+            return
+        self._pending.difference_update(names)
+
+    def _delete(self, paths: Iterable[str]) -> int:
+        paths = list(paths)
+        try:
+            return self.io.delete(paths)
+        except StorageError as exc:
+            logger.warning("s3kv manifest: cleanup failed (%s); retried later", exc.kind)
+            return 0
+
+    def sweep(self, entry: LogEntry) -> int:
+        """Delete unreferenced snapshot and delta objects and old log entries past grace.
+
+        Objects of a term killed mid-cycle and of format-1 generations end here. Returns
+        the objects deleted.
+        """
+        cutoff = self._clock() - self.policy.grace_s
+        live = entry.objects()
+        doomed: list[str] = []
+        for directory in (SNAPSHOTS_DIR, DELTAS_DIR):
+            for name, modified in self._listed(directory):
+                path = directory + name
+                if path not in live and modified < cutoff:
+                    doomed.append(path)
+        floor = entry.version - self.policy.keep_versions
+        for name, modified in self._listed(LOG_DIR):
+            found = log_version(name)
+            if found is not None and found < floor and modified < cutoff:
+                doomed.append(log_name(found))
+        return self._delete(doomed)
+
+    def _listed(self, directory: str) -> list[tuple[str, float]]:
+        return list(self.io.list_modified(directory))

@@ -1,0 +1,175 @@
+"""The in-memory key filter of a live manifest: a sharded snapshot plus growing partitions.
+
+A snapshot's keys are known in full when it is written, so each of its shards is a static
+:class:`~s3kv.manifest.xorfilter.XorFilter` (3.7 bytes per key at a 2**-24 false-positive
+rate, three memory probes per lookup). Keys that arrive afterwards (deltas, this
+instance's own writes) go into a *scalable* Bloom filter: a list of partitions, each twice
+the capacity of the one before at half its false-positive rate, so the filter grows with
+the data and the sum of the partitions' rates stays within its budget however many keys
+arrive. A saturated filter therefore cannot exist: nothing ever silently turns every
+lookup into "present" (which would make the store skip every save).
+
+False-positive rate, for a target ``fpr``: the snapshot's ``2**-fp_bits`` plus the growth
+budget ``(fpr - 2**-fp_bits) / 2`` for this generation's partitions, plus as much again for
+the partitions carried over from the previous generation (see :meth:`KeyFilter.carry`).
+
+Lookups take no lock (tuples of immutable-sized filters are swapped whole); adds take one.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+from typing import Final
+
+import numpy as np
+import numpy.typing as npt
+
+from s3kv.manifest.bloom import BloomFilter
+from s3kv.manifest.xorfilter import XorFilter
+
+__all__ = ["KeyFilter", "shard_of"]
+
+#: Smallest growth partition (keys): 64 Ki keys at ~1e-7 is ~270 KB.
+_MIN_GROWTH: Final = 1 << 16
+
+
+def shard_of(keys: npt.NDArray[np.void], shard_bits: int) -> npt.NDArray[np.intp]:
+    """The shard of each key: its leading ``shard_bits`` bits (0 <= shard_bits <= 16)."""
+    if shard_bits == 0 or not len(keys):
+        return np.zeros(len(keys), np.intp)
+    raw = np.ascontiguousarray(keys).view(np.uint8).reshape(-1, 16)
+    lead = (raw[:, 0].astype(np.intp) << 8) | raw[:, 1]
+    shards: npt.NDArray[np.intp] = lead >> (16 - shard_bits)
+    return shards
+
+
+def _as_array(keys: Sequence[bytes]) -> npt.NDArray[np.void]:
+    return np.frombuffer(b"".join(keys), dtype="V16") if keys else np.zeros(0, "V16")
+
+
+class KeyFilter:
+    """Which keys may exist: snapshot shards (static) plus growth partitions (scalable).
+
+    Args:
+        fpr: Target false-positive rate of the whole filter.
+        shards: The snapshot's shard filters (``2**shard_bits`` of them), or none.
+        shard_bits: log2 of the shard count.
+        growth_capacity: Keys of the first growth partition (at least 64 Ki).
+    """
+
+    def __init__(
+        self,
+        fpr: float,
+        shards: Sequence[XorFilter] = (),
+        shard_bits: int = 0,
+        *,
+        growth_capacity: int = _MIN_GROWTH,
+    ) -> None:
+        if shards and len(shards) != 1 << shard_bits:
+            raise ValueError(f"shards: {len(shards)} filters for shard_bits={shard_bits}")
+        self._shards = tuple(shards)
+        self._shard_bits = shard_bits
+        snapshot_fpr = max((2.0**-s.fp_bits for s in shards), default=0.0)
+        self._budget = max(fpr - snapshot_fpr, fpr / 2) / 2
+        self._next_capacity = max(_MIN_GROWTH, growth_capacity)
+        self._next_fpr = self._budget / 2
+        self._carried: tuple[BloomFilter, ...] = ()
+        self._own: tuple[BloomFilter, ...] = ()
+        self._own_capacity = 0  # capacity of self._own[-1]
+        self._lock = threading.Lock()
+
+    # --- growth ---------------------------------------------------------------------------
+
+    def carry(self, previous: KeyFilter) -> None:
+        """Keep ``previous``'s own partitions (keys added since *its* snapshot).
+
+        A new snapshot folds what the compactor had seen when it started, not the writes
+        this instance made while it ran; keeping one generation of partitions covers them.
+        Older generations are dropped, so memory stays at two generations of growth.
+        """
+        with self._lock:
+            self._carried = previous._own
+
+    def add_many(self, keys: Sequence[bytes]) -> None:
+        """Add keys (16 bytes each) to the growth partitions."""
+        start = 0
+        with self._lock:
+            while start < len(keys):
+                part, room = self._writable()
+                part.add_many(keys[start : start + room])
+                start += room
+
+    def add(self, key: bytes) -> None:
+        """Add one key."""
+        self.add_many([key])
+
+    def add_array(self, keys: npt.NDArray[np.void]) -> None:
+        """Add keys given as a ``V16`` array."""
+        self.add_many([bytes(key) for key in keys])
+
+    def _writable(self) -> tuple[BloomFilter, int]:
+        """Caller holds the lock. The newest partition with room (and the room left)."""
+        if self._own and self._own[-1].count < self._own_capacity:
+            return self._own[-1], self._own_capacity - self._own[-1].count
+        capacity = self._next_capacity
+        part = BloomFilter.for_capacity(capacity, self._next_fpr)
+        self._own_capacity = capacity
+        self._next_capacity *= 2
+        self._next_fpr /= 2
+        self._own = (*self._own, part)
+        return part, capacity
+
+    # --- lookups --------------------------------------------------------------------------
+
+    def contains_many(self, keys: Sequence[bytes]) -> npt.NDArray[np.bool_]:
+        """Whether each key may exist. No lock, no network."""
+        found = np.zeros(len(keys), np.bool_)
+        if not keys:
+            return found
+        if self._shards:
+            array = _as_array(keys)
+            shard = shard_of(array, self._shard_bits)
+            for index in np.unique(shard):
+                mask = shard == index
+                found[mask] = self._shards[int(index)].contains_many(array[mask])
+        for part in (*self._carried, *self._own):
+            if found.all():
+                break
+            rest = np.flatnonzero(~found)
+            found[rest] = part.contains_many([keys[int(i)] for i in rest])
+        return found
+
+    def __contains__(self, key: object) -> bool:
+        return isinstance(key, bytes) and bool(self.contains_many([key])[0])
+
+    def count_leading(self, keys: Sequence[bytes]) -> int:
+        """Length of the leading run of ``keys`` that may exist."""
+        if not keys:
+            return 0
+        missing = np.flatnonzero(~self.contains_many(keys))
+        return int(missing[0]) if len(missing) else len(keys)
+
+    # --- gauges ---------------------------------------------------------------------------
+
+    @property
+    def snapshot_keys(self) -> int:
+        """Keys in the snapshot shards."""
+        return sum(shard.keys for shard in self._shards)
+
+    @property
+    def growth_keys(self) -> int:
+        """Keys added to this generation's partitions (inserts; an upper bound)."""
+        return sum(part.count for part in self._own)
+
+    @property
+    def partitions(self) -> int:
+        """Growth partitions held (this generation's and the carried ones)."""
+        return len(self._own) + len(self._carried)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of every filter held."""
+        return sum(s.nbytes for s in self._shards) + sum(
+            p.nbytes for p in (*self._carried, *self._own)
+        )
