@@ -33,6 +33,7 @@ from s3kv.manifest.format import (
     encode_usage,
     snapshot_paths,
 )
+from s3kv.manifest.loading import hottest
 from s3kv.manifest.snapshot import read_filters, write_snapshot
 from s3kv.storage import MemoryBackend
 from tests.test_manifest import (
@@ -474,3 +475,62 @@ def test_ten_million_key_snapshot_round_trip() -> None:
     probes = np.random.default_rng(5).bytes(16 * 200_000)
     absent = [probes[i : i + 16] for i in range(0, len(probes), 16)]
     assert loaded.contains_many(absent).sum() <= 2  # 2**-24 each: 0.01 expected
+
+
+def test_top_usage_streams_shards_and_matches_the_whole_table(
+    backend: CountingBackend, clock: Clock
+) -> None:
+    w = reader(backend, clock, "w")
+    chain = make_chain(300, seed=14)
+    write_chain(w, chain)
+    for i, key in enumerate(chain[:40]):
+        w.record_hits([key] * (i % 7 + 1))
+    w.flush()
+    report = compact(
+        backend, PREFIX, FP, fpr=FPR, clock=clock, policy=CompactionPolicy(shard_keys=50)
+    )
+    assert report.shards == 8
+    for _ in range(10):  # the hottest keys now, and not in the snapshot yet: from the segment
+        w.record_hits(chain[100:105])
+    w.flush()
+    whole = load_usage(backend, PREFIX, FP)
+    top = load_usage(backend, PREFIX, FP, top=20)
+    assert len(whole) == 300
+    assert top.rows.tobytes() == hottest(whole.rows, 20).tobytes()
+    assert {bytes(k) for k in chain[100:105]} <= {bytes(k) for k in top.rows["key"]}
+
+
+def test_a_vanished_snapshot_never_raises_and_a_full_compaction_heals_it(
+    backend: CountingBackend, clock: Clock
+) -> None:
+    c = member(backend, clock, "c")
+    c.compact_once()
+    chain = make_chain(3, seed=15)
+    write_chain(c, chain)
+    c.flush()
+    compact(backend, PREFIX, FP, fpr=FPR, clock=clock)
+    snapshot = latest(backend).snapshot
+    assert snapshot is not None
+    for path in snapshot.paths():  # a lifecycle rule expired it
+        backend.inner.delete_many([ROOT + path])
+    r = reader(backend, clock)  # does not raise; counts the fault
+    assert r.loaded
+    assert r.stats()["refresh_errors"] == 1
+    listing = [(bytes(k), 100, clock.now) for k in chain]
+    compact(backend, PREFIX, FP, fpr=FPR, clock=clock, full_listing_keys=listing)
+    r.refresh()
+    assert all(r.may_contain(k) for k in chain)
+
+
+def test_a_snapshot_past_its_age_is_rewritten_without_news(
+    backend: CountingBackend, clock: Clock
+) -> None:
+    c = member(backend, clock, "c")
+    c.compact_once()
+    write_chain(c, make_chain(3, seed=16))
+    c.flush()
+    compact(backend, PREFIX, FP, fpr=FPR, clock=clock)
+    c.refresh()
+    assert c.compact_once() == "takeover"
+    clock.advance(POLICY.snapshot_max_age_s + 1)
+    assert c.compact_once() == "cycle:snapshot"

@@ -55,8 +55,11 @@ class WarmStart:
         try:
             if self.budget_bytes <= 0:
                 return
-            usage = self.leader.usage()
             budget_blocks = self.budget_bytes // (self.leader.block_nbytes or 1)
+            # NOTE: only the hottest rows are kept while the usage streams in shard by shard
+            # (bounded memory at any key count); twice the budget leaves room for the
+            # ancestors a chain needs, which are at least as hot as their descendants.
+            usage = self.leader.usage(top=2 * budget_blocks + 1024)
             # NOTE: the usage table records stored sizes, staging holds raw bytes: ask for
             # generously many chains by stored size, then cut by raw block count.
             chains = usage.hottest_chains(self.budget_bytes)

@@ -98,6 +98,8 @@ class CompactionPolicy:
         grace_s: Unreferenced objects and old entries live this long (readers mid-load).
         max_segments: Segments folded per cycle at most (bounds a cycle's memory).
         keep_versions: Log entries kept behind the newest.
+        snapshot_max_age_s: A snapshot older than this is rewritten even without news, so
+            no live object ever ages into a bucket lifecycle rule's expiry.
     """
 
     interval_s: float = 20.0
@@ -111,6 +113,7 @@ class CompactionPolicy:
     grace_s: float = 600.0
     max_segments: int = 20_000
     keep_versions: int = 64
+    snapshot_max_age_s: float = 7 * 86400.0
 
     def snapshot_due(self, delta_records: int, snapshot_keys: int) -> bool:
         """Whether deltas of ``delta_records`` should become a new snapshot."""
@@ -253,7 +256,10 @@ class Compactor:
         legacy = self._legacy() if entry.snapshot is None else None
         version = entry.version + 1
         snapshot, deltas, action, dropped = entry.snapshot, entry.deltas, "idle", 0
-        force_snapshot = force_snapshot or bool(drop) or listing is not None
+        stale = snapshot is not None and self._clock() - snapshot.created_at > (
+            self.policy.snapshot_max_age_s
+        )
+        force_snapshot = force_snapshot or stale or bool(drop) or listing is not None
         if (
             force_snapshot
             or legacy is not None

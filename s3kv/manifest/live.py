@@ -139,6 +139,7 @@ class Manifest:
         self._entry: LogEntry | None = None
         self._entry_seen_at = time.monotonic()
         self._loaded_deltas: set[str] = set()
+        self._no_log = False  # the log was read and is empty (not merely unreadable)
         self._seen: set[str] = set()  # format-1 mode: segment names read
         self._compactor: Compactor | None = None
         if compaction is not None:
@@ -230,9 +231,11 @@ class Manifest:
         return manifest
 
     def _first_load(self) -> None:
-        self.refresh()
-        self._open_requests = self._io.requests
-        self._loaded.set()
+        try:
+            self.refresh()
+        finally:
+            self._open_requests = self._io.requests
+            self._loaded.set()
 
     # --- lookups: memory only -------------------------------------------------------------
 
@@ -378,12 +381,14 @@ class Manifest:
         """Apply newer log entries (or, with no log yet, read segments); returns keys added.
 
         Steady state: one GET (the next entry, absent). Never raises :class:`StorageError`
-        (counted, logged once per kind).
+        or :class:`CodecError` (counted, logged once per kind).
         """
         with self._refresh_lock:
             try:
                 added = self._refresh()
-            except StorageError as exc:
+            except (StorageError, CodecError) as exc:
+                # NOTE: a snapshot shard that is gone or corrupt is a storage fault too: keep
+                # serving what is loaded, retry at the next refresh (the compactor rewrites it).
                 with self._lock:
                     self._counters["refresh_errors"] += 1
                 self._log_once(
@@ -399,6 +404,7 @@ class Manifest:
         entry = self._entry
         if entry is None:
             latest = self._read_entry(self._log.latest)
+            self._no_log = latest is None
             if latest is None:
                 return self._read_segments_v1()
             return self._apply(latest)
@@ -576,7 +582,7 @@ class Manifest:
         if not self._loaded.is_set():
             return False
         if entry is None:
-            return True  # no log yet: the first instance starts it (and migrates format 1)
+            return self._no_log  # no log yet: the first instance starts it (and migrates)
         if entry.holder == "":
             return True
         waited = time.monotonic() - self._entry_seen_at

@@ -1,8 +1,11 @@
-"""The whole usage table of a fingerprint, for warm start and the operator commands.
+"""The usage table of a fingerprint, for warm start and the operator commands.
 
 :func:`load_usage` folds the newest snapshot's usage shards, its deltas and every segment
-not folded yet (or, on a bucket with no log, the format-1 ``usage.bin`` and segments) into
-one :class:`~s3kv.manifest.usage.UsageTable` in memory: about 60 bytes per live key.
+not folded yet (or, on a bucket with no log, the format-1 ``usage.bin`` and segments). The
+whole table costs about 60 bytes per live key. With ``top``, it streams: one shard is folded
+at a time and only the ``top`` hottest rows are kept, so warm-start planning inside the
+engine holds one shard plus the records not yet in the snapshot (bounded by the compaction
+policy's snapshot cap), whatever the key count.
 """
 
 from __future__ import annotations
@@ -10,18 +13,33 @@ from __future__ import annotations
 import numpy as np
 
 from s3kv.manifest.compactor import legacy_usage
-from s3kv.manifest.format import RECORD_DTYPE, USAGE_DTYPE
+from s3kv.manifest.filters import shard_of
+from s3kv.manifest.format import USAGE_DTYPE, Records
 from s3kv.manifest.io import ManifestIO, read_segments
 from s3kv.manifest.log import ManifestLog
 from s3kv.manifest.snapshot import parallel, read_delta, usage_shards
 from s3kv.manifest.usage import UsageTable, fold
 from s3kv.storage import Backend
 
-__all__ = ["load_usage"]
+__all__ = ["hottest", "load_usage"]
 
 
-def load_usage(backend: Backend, prefix: str, fingerprint: str) -> UsageTable:
-    """The current usage of every live key, with everything not yet compacted folded in.
+def hottest(rows: Records, top: int) -> Records:
+    """The ``top`` hottest rows (pinned, then hits, then last use), sorted by key."""
+    if len(rows) > top:
+        rank = np.lexsort(
+            (-rows["last_used"], -rows["hits"].astype(np.int64), -rows["pinned"].astype(np.int64))
+        )
+        rows = rows[rank[:top]]
+    halves = np.ascontiguousarray(rows["key"]).view(">u8").reshape(-1, 2)
+    ordered: Records = rows[np.lexsort((halves[:, 1], halves[:, 0]))]
+    return ordered
+
+
+def load_usage(
+    backend: Backend, prefix: str, fingerprint: str, *, top: int | None = None
+) -> UsageTable:
+    """The usage of every live key (or of the ``top`` hottest), everything uncompacted folded in.
 
     Corrupt segments are skipped and counted in :attr:`UsageTable.segments_corrupt`.
 
@@ -31,23 +49,34 @@ def load_usage(backend: Backend, prefix: str, fingerprint: str) -> UsageTable:
     """
     io = ManifestIO(backend, prefix, fingerprint)
     entry = ManifestLog(io).latest()
-    if entry is None:
-        base = legacy_usage(io)
-        usage = np.zeros(0, USAGE_DTYPE) if base is None else base
-        skip: frozenset[str] = frozenset()
-        generation, deltas = 0, [np.zeros(0, RECORD_DTYPE)]
-    else:
-        shards = [rows for _, rows in usage_shards(io, entry.snapshot)]
-        usage = np.concatenate(shards) if shards else np.zeros(0, USAGE_DTYPE)
-        skip = frozenset(entry.folded)
-        generation = entry.snapshot.generation if entry.snapshot else 0
+    skip = frozenset(entry.folded) if entry is not None else frozenset[str]()
+    pending: list[Records] = []
+    if entry is not None:
         loaded = parallel(lambda ref: read_delta(io, ref.path), list(entry.deltas))
-        deltas = [d for d in loaded if d is not None] or [np.zeros(0, RECORD_DTYPE)]
+        pending = [d for d in loaded if d is not None]
     names = [name for name, _ in io.segments(0) if name not in skip]
-    records, read, corrupt = read_segments(io, names)
+    segments, read, corrupt = read_segments(io, names)
+    records = np.concatenate([*pending, segments]) if pending else segments
+    snapshot = entry.snapshot if entry is not None else None
+    if snapshot is None:
+        base = legacy_usage(io) if entry is None else None
+        rows = fold(np.zeros(0, USAGE_DTYPE) if base is None else base, records)
+        kept = rows if top is None else hottest(rows, top)
+    else:
+        shard = shard_of(records["key"], snapshot.shard_bits)
+        parts: list[Records] = []
+        best = np.zeros(0, USAGE_DTYPE)
+        for index, base_rows in usage_shards(io, snapshot):
+            folded = fold(base_rows, records[shard == index])
+            if top is None:
+                parts.append(folded)
+            else:
+                best = hottest(np.concatenate([best, folded]), top)
+        # NOTE: shards are ranges of leading key bits, so shard order is key order.
+        kept = best if top is not None else (np.concatenate(parts) if parts else best)
     return UsageTable(
-        fold(usage, np.concatenate([*deltas, records])),
-        generation=generation,
+        kept,
+        generation=snapshot.generation if snapshot else 0,
         segments_read=len(read),
         segments_corrupt=len(corrupt),
     )
