@@ -7,6 +7,9 @@ identities, one of them read-only (SeaweedFS reads identities at startup only).
 from __future__ import annotations
 
 import json
+import socket
+import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -165,3 +168,141 @@ def test_local_s3_unreadable_state_is_one_error_line(tmp_path: Path) -> None:
     data.mkdir()
     (data / local_s3.STATE_FILE).write_text("{not json")
     assert_one_error_line(invoke(["local-s3", "start", "--dir", str(data)]), "delete it")
+
+
+@pytest.fixture
+def silent_endpoint() -> Iterator[str]:
+    """A loopback TCP server that accepts connections and never answers."""
+    server = socket.create_server(("127.0.0.1", 0))
+    server.settimeout(0.1)
+    held: list[socket.socket] = []
+    stop = threading.Event()
+
+    def accept() -> None:
+        while not stop.is_set():
+            try:
+                held.append(server.accept()[0])
+            except TimeoutError:
+                continue
+            except OSError:
+                return
+
+    thread = threading.Thread(target=accept, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.getsockname()[1]}"
+    finally:
+        stop.set()
+        thread.join(5)
+        for conn in held:
+            conn.close()
+        server.close()
+
+
+def test_doctor_gives_up_on_a_silent_endpoint_within_its_deadline(
+    silent_endpoint: str, aws_env: None
+) -> None:
+    args = ["doctor", "--timeout", "4", "--bucket", "b-x", "--endpoint-url", silent_endpoint]
+    start = time.monotonic()
+    human = invoke(args)
+    assert time.monotonic() - start < 4 + 3
+    assert human.exit_code == 1, human.output
+    # Progress on stderr, a line as each step starts and ends; the failure in one line.
+    progress = [line for line in human.stderr.splitlines() if line.startswith("doctor: ")]
+    assert f"doctor: bucket: reaching s3://b-x/s3kv at {silent_endpoint} ..." in progress
+    (failed,) = [line for line in progress if line.startswith("doctor: bucket: FAIL")]
+    assert f"{silent_endpoint} accepted the connection but sent no answer" in failed
+    last = human.stderr.splitlines()[-1]
+    assert last.startswith(f"Error: failed checks: bucket at {silent_endpoint}")
+
+    # With --json: the same verdict, and nothing on stderr but the one error line.
+    start = time.monotonic()
+    result = invoke([*args, "--json"])
+    assert time.monotonic() - start < 4 + 3
+    doc = parse_json(result)
+    assert (doc["endpoint"], doc["timeout_s"]) == (silent_endpoint, 4.0)
+    bucket = _checks(doc)["bucket"]
+    assert bucket["status"] == "fail"
+    assert silent_endpoint in str(bucket["detail"])
+    assert "\n" not in str(bucket["detail"])
+    assert _checks(doc)["permissions"]["status"] == "skip"
+    assert_one_error_line(result, "failed checks: bucket", silent_endpoint)
+
+
+def test_doctor_shows_the_effective_endpoint_and_region(
+    moto_backend: S3Backend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    endpoint = str(moto_backend.client.meta.endpoint_url)
+    monkeypatch.setenv("AWS_ENDPOINT_URL_S3", endpoint)
+    monkeypatch.setenv("AWS_DEFAULT_REGION", "eu-central-1")
+    result = invoke(["doctor", "--json", "--role", "reader", "--bucket", moto_backend.bucket])
+    assert result.exit_code == 0, result.output
+    doc = parse_json(result)
+    assert (doc["endpoint"], doc["region"], doc["role"]) == (endpoint, "eu-central-1", "reader")
+    effective = {s["name"]: (s["value"], s["source"]) for s in doc["settings"]}
+    assert effective["endpoint (effective)"] == (endpoint, "env AWS_ENDPOINT_URL_S3")
+    assert effective["region (effective)"] == ("eu-central-1", "env AWS_DEFAULT_REGION")
+    human = invoke(["doctor", "--role", "reader", "--bucket", moto_backend.bucket])
+    assert human.exit_code == 0, human.output
+    assert "region (effective)" in human.stdout
+    assert f"doctor: endpoint {endpoint}, region eu-central-1, role reader" in human.stderr
+
+
+@pytest.mark.seaweedfs
+@pytest.mark.parametrize(
+    ("key_id", "secret", "says"),
+    [
+        ("seaweed", "wrong-secret-0123456789", "wrong secret key for access key id"),
+        ("AKIAUNKNOWNKEY000001", "whatever-secret-0123456789", "unknown access key id"),
+    ],
+)
+def test_doctor_tells_a_wrong_secret_from_an_unknown_key_id(
+    seaweedfs: LocalS3,
+    aws_env: None,
+    monkeypatch: pytest.MonkeyPatch,
+    key_id: str,
+    secret: str,
+    says: str,
+) -> None:
+    key_id = seaweedfs.access_key if key_id == "seaweed" else key_id
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", key_id)
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", secret)
+    args = ["--bucket", seaweedfs.bucket, "--endpoint-url", seaweedfs.endpoint]
+    result = invoke(["doctor", "--json", *args])
+    assert result.exit_code == 1, result.output
+    bucket = _checks(parse_json(result))["bucket"]
+    detail, remedy = str(bucket["detail"]), str(bucket["remedy"])
+    assert bucket["status"] == "fail"
+    assert detail.startswith(says), detail
+    assert key_id[-4:] in detail
+    assert key_id not in detail  # masked
+    assert seaweedfs.endpoint in detail
+    code = "SignatureDoesNotMatch" if "secret" in says else "InvalidAccessKeyId"
+    assert f"({code})" in detail
+    assert ("AWS_SECRET_ACCESS_KEY" in remedy) == (code == "SignatureDoesNotMatch")
+    assert secret not in result.output
+    assert seaweedfs.secret_key not in result.output
+    human = invoke(["doctor", *args])
+    (line,) = [x for x in human.stdout.splitlines() if x.startswith("FAIL bucket: ")]
+    assert line == f"FAIL bucket: {remedy}"
+
+
+@pytest.mark.seaweedfs
+def test_doctor_passes_a_read_only_identity_for_the_reader_role(
+    two_identity_server: LocalS3, aws_env: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", READ_ONLY[0])
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", READ_ONLY[1])
+    args = ["--bucket", two_identity_server.bucket, "--endpoint-url",
+            two_identity_server.endpoint]  # fmt: skip
+    reader = invoke(["doctor", "--json", "--role", "reader", *args])
+    assert reader.exit_code == 0, reader.output
+    checks = _checks(parse_json(reader))
+    assert [checks[n]["status"] for n in ("bucket", "list", "get", "latency")] == ["ok"] * 4
+    assert [checks[n]["status"] for n in ("put", "delete", "conditional write")] == ["skip"] * 3
+    engine = invoke(["doctor", "--json", "--role", "engine", *args])
+    assert engine.exit_code == 1
+    checks = _checks(parse_json(engine))
+    assert checks["put"]["status"] == checks["delete"]["status"] == "fail"
+    assert "engines write blocks and manifest segments" in str(checks["put"]["remedy"])
+    assert "/manifest/*" in str(checks["delete"]["remedy"])  # an engine deletes only those

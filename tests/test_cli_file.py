@@ -81,3 +81,36 @@ def test_a_missing_directory_is_one_error_line(tmp_path: Path) -> None:
     assert result.stderr.strip().startswith("Error: ")
     assert "does not exist" in result.stderr
     assert "Traceback" not in result.output
+
+
+def test_stats_counts_manifest_snapshots_beside_blocks(bucket: Bucket) -> None:
+    """Old ``bloom.bin`` generations are stored bytes too: counted, priced, shown by kind."""
+    bucket.write_chain(bucket.chain(range(8)), Clock(time.time()))
+    snapshots = f"{bucket.prefix}/{bucket.fingerprint}/manifest/snapshots/"
+    for generation in range(6):
+        bucket.backend.put(f"{snapshots}{generation:010d}/bloom.bin", bytes(50_000))
+    result = invoke(["stats", "--json", *args(bucket)])
+    assert result.exit_code == 0, result.output
+    doc = parse_json(result)
+    (fp,) = doc["fingerprints"]
+    assert fp["kinds"]["snapshots"]["objects"] == 6
+    assert fp["kinds"]["snapshots"]["bytes"] == 300_000
+    assert fp["kinds"]["blocks"]["objects"] == fp["objects"] == 2
+    assert fp["kinds"]["segments"]["objects"] == 1
+    assert fp["kinds"]["identity"]["objects"] == 1
+    assert fp["total_bytes"] == sum(k["bytes"] for k in fp["kinds"].values())
+    assert fp["total_bytes"] > 300_000 > fp["stored_bytes"]
+    assert fp["snapshot_generations"] == 6
+    snapshot_usd = 300_000 / 1024**3 * doc["prices"]["storage_per_gib_month"]
+    assert fp["kinds"]["snapshots"]["storage_usd_month"] == pytest.approx(snapshot_usd)
+    assert doc["kinds"]["snapshots"]["bytes"] == 300_000  # all fingerprints
+    assert doc["total_bytes"] == fp["total_bytes"]
+    assert doc["storage_usd_month"] == pytest.approx(fp["storage_usd_month"])
+    assert fp["storage_usd_month"] > snapshot_usd  # every kind, not only the blocks
+
+    human = invoke(["stats", *args(bucket)])
+    assert human.exit_code == 0, human.output
+    assert "stored by kind" in human.stdout
+    (row,) = [line for line in human.stdout.splitlines() if " snapshots " in line]
+    assert "293.0 KiB" in row  # 300,000 bytes
+    assert "6 manifest snapshot generations" in human.stdout

@@ -68,14 +68,15 @@ def test_policies_pass_the_iam_validator(name: str, aws_env: None) -> None:
         iam.create_policy(PolicyName="s3kv", PolicyDocument=(INFRA / "aws" / name).read_text())
 
 
-def test_engine_policy_reads_and_writes_but_never_deletes_data() -> None:
+def test_engine_policy_reads_and_writes_but_deletes_only_manifest_objects() -> None:
     engine = load_json("engine-policy.json")
     assert allows(engine, "s3:ListBucket", None)
     for key in (BLOCK, SEGMENT, CURRENT, IDENTITY):
         assert allows(engine, "s3:GetObject", key)
         assert allows(engine, "s3:PutObject", key)
-    assert not allows(engine, "s3:DeleteObject", BLOCK)
-    assert not allows(engine, "s3:DeleteObject", SEGMENT)
+    assert not allows(engine, "s3:DeleteObject", BLOCK)  # never block data
+    assert not allows(engine, "s3:DeleteObject", IDENTITY)
+    assert allows(engine, "s3:DeleteObject", SEGMENT)  # the elected compactor's folding
     assert allows(engine, "s3:DeleteObject", PROBE)  # the conditional-PUT probe's cleanup
     assert not allows(engine, "s3:GetObject", "other-team/secret")
 

@@ -2,15 +2,20 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import fnmatch
+import json
+import threading
+import time
+from collections.abc import Iterable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from s3kv.config import S3KVConfig
 from s3kv.errors import AccessDeniedError
-from s3kv.ops.doctor import run_doctor
-from s3kv.storage import Backend, MemoryBackend
+from s3kv.ops.doctor import DoctorReport, run_doctor
+from s3kv.storage import Backend, DeleteResult, MemoryBackend, ObjectInfo
 
 
 class NoPut(MemoryBackend):
@@ -75,3 +80,195 @@ def test_denied_writes_name_the_grant_and_slow_heads_warn(tmp_path: Path) -> Non
     assert checks["latency"].status == "warn"
     assert checks["latency"].latency_ms == pytest.approx(300.0)
     assert opened[0].conditional_put == "off"  # opening does no I/O
+
+
+class Recording(MemoryBackend):
+    """Records each request as (IAM action, key or listing prefix)."""
+
+    def __init__(self, *, hang: threading.Event | None = None) -> None:
+        super().__init__()
+        self.calls: list[tuple[str, str]] = []
+        self._hang = hang
+
+    @property
+    def description(self) -> str:
+        return "s3://b/s3kv at http://127.0.0.1:9"
+
+    def check(self) -> None:
+        self.calls.append(("s3:ListBucket", ""))
+        if self._hang is not None:
+            self._hang.wait()  # an endpoint that accepts and never answers
+
+    def get(self, key: str) -> bytes | None:
+        self.calls.append(("s3:GetObject", key))
+        return super().get(key)
+
+    def head(self, key: str) -> ObjectInfo | None:
+        self.calls.append(("s3:GetObject", key))
+        return super().head(key)
+
+    def put(self, key: str, data: bytes | memoryview, *, if_absent: bool = False) -> bool:
+        self.calls.append(("s3:PutObject", key))
+        return super().put(key, data, if_absent=if_absent)
+
+    def delete_many(self, keys: Iterable[str]) -> DeleteResult:
+        keys = list(keys)
+        self.calls.extend(("s3:DeleteObject", k) for k in keys)
+        return super().delete_many(keys)
+
+    def list(self, prefix: str, *, start_after: str | None = None) -> Iterator[ObjectInfo]:
+        self.calls.append(("s3:ListBucket", prefix))
+        return super().list(prefix, start_after=start_after)
+
+
+def _doctor(backend: Backend, **kwargs: Any) -> DoctorReport:
+    return run_doctor(
+        environ={}, overrides={"bucket": "b", "endpoint_url": "http://127.0.0.1:9"},
+        open_backend=lambda cfg: backend, samples=1, **kwargs,
+    )  # fmt: skip
+
+
+def test_a_silent_endpoint_ends_at_the_deadline_with_progress_lines(aws_env: None) -> None:
+    release = threading.Event()
+    lines: list[str] = []
+    opened: list[S3KVConfig] = []
+    hung = Recording(hang=release)
+
+    def factory(cfg: S3KVConfig) -> Backend:
+        opened.append(cfg)
+        return hung
+
+    start = time.monotonic()
+    try:
+        report = run_doctor(
+            environ={}, overrides={"bucket": "b", "endpoint_url": "http://127.0.0.1:9"},
+            open_backend=factory, timeout=1.0, progress=lines.append,
+        )  # fmt: skip
+    finally:
+        release.set()
+    assert time.monotonic() - start < 1.0 + 1.0
+    checks = {c.name: c for c in report.checks}
+    assert checks["bucket"].status == "fail"
+    assert "no answer from http://127.0.0.1:9 within the 1 s deadline" in checks["bucket"].detail
+    assert "--timeout" in (checks["bucket"].remedy or "")
+    assert not report.ok
+    # Per-request limits fit the deadline; opening does no I/O.
+    (cfg,) = opened
+    assert (cfg.conditional_put, cfg.max_attempts) == ("off", 2)
+    assert cfg.connect_timeout <= 0.5
+    assert cfg.read_timeout <= 0.5
+    # One line as each step starts and one as it ends, the endpoint named.
+    assert lines[0] == "doctor: credentials: the AWS credential chain ..."
+    assert lines[1].startswith("doctor: credentials: ")
+    assert "endpoint http://127.0.0.1:9" in lines[2]
+    assert lines[3] == "doctor: bucket: reaching s3://b/s3kv at http://127.0.0.1:9 ..."
+    assert lines[4].startswith("doctor: bucket: FAIL after ")
+    assert lines[4].endswith(": no answer from http://127.0.0.1:9 within the 1 s deadline")
+    assert len(lines) == 5
+    assert (report.endpoint, report.timeout_s) == ("http://127.0.0.1:9", 1.0)
+
+
+def test_steps_after_the_deadline_are_skipped(aws_env: None) -> None:
+    now = [0.0]
+
+    class Slow(Recording):
+        def get(self, key: str) -> bytes | None:
+            now[0] += 30.0  # the deadline's clock jumps past 20 s while get runs
+            return super().get(key)
+
+    report = _doctor(Slow(), monotonic=lambda: now[0])
+    status = {c.name: c.status for c in report.checks}
+    assert [status[n] for n in ("list", "put", "get")] == ["ok", "ok", "ok"]
+    assert status["delete"] == status["conditional write"] == status["latency"] == "skip"
+    (delete,) = [c for c in report.checks if c.name == "delete"]
+    assert "20 s deadline had passed" in delete.detail
+
+
+PROBE_KINDS = {"s3:ListBucket", "s3:GetObject", "s3:PutObject", "s3:DeleteObject"}
+
+
+@pytest.mark.parametrize(
+    ("role", "run", "skipped"),
+    [
+        ("all", {"list", "put", "get", "delete", "conditional write"}, set()),
+        ("engine", {"list", "put", "get", "delete", "conditional write"}, set()),
+        ("pruner", {"list", "put", "get", "delete", "conditional write"}, set()),
+        ("reader", {"list", "get"}, {"put", "delete", "conditional write"}),
+    ],
+)
+def test_a_role_checks_what_it_needs(
+    role: str, run: set[str], skipped: set[str], aws_env: None
+) -> None:
+    backend = Recording()
+    report = _doctor(backend, role=role)
+    assert report.ok, report.checks
+    assert report.role == role
+    status = {c.name: c.status for c in report.checks}
+    assert {n for n in run | skipped if status[n] == "ok"} == run
+    for name in skipped:
+        (check,) = [c for c in report.checks if c.name == name]
+        assert (check.status, check.detail) == ("skip", f"not needed by --role {role}")
+    actions = {action for action, _ in backend.calls}
+    deleted = [key for action, key in backend.calls if action == "s3:DeleteObject"]
+    if role == "reader":
+        assert actions == {"s3:ListBucket", "s3:GetObject"}  # no write at all
+    elif role == "engine":
+        assert deleted
+        assert all("/manifest/" in key for key in deleted)  # never a block
+    else:
+        assert any("/blocks/" in key for key in deleted)
+    assert not list(backend.list(""))  # nothing left behind
+
+
+def test_the_infra_policies_grant_what_their_role_is_checked_for(aws_env: None) -> None:
+    """``--role engine``/``pruner`` pass with infra/aws's engine/pruner policy, and only
+    because of the grants meant for them (manifest deletes for engines)."""
+    infra = Path(__file__).resolve().parent.parent / "infra" / "aws"
+
+    def allowed(policy: dict[str, Any], action: str, key: str) -> bool:
+        arn = "arn:aws:s3:::b" + ("" if action == "s3:ListBucket" else f"/{key}")
+        for statement in policy["Statement"]:
+            actions = statement["Action"]
+            resources = statement["Resource"]
+            actions = [actions] if isinstance(actions, str) else actions
+            resources = [resources] if isinstance(resources, str) else resources
+            if action in actions and any(
+                fnmatch.fnmatchcase(arn, r.replace("BUCKET", "b")) for r in resources
+            ):  # fmt: skip
+                return True
+        return False
+
+    for role in ("engine", "pruner"):
+        policy = json.loads((infra / f"{role}-policy.json").read_text())
+        backend = Recording()
+        assert _doctor(backend, role=role).ok
+        for action, key in backend.calls:
+            assert allowed(policy, action, key), (role, action, key)
+        if role == "engine":  # the manifest-delete grant is what allows the delete probe
+            (key,) = [k for a, k in backend.calls if a == "s3:DeleteObject"]
+            del policy["Statement"][-1]
+            assert not allowed(policy, "s3:DeleteObject", key)
+
+
+def test_denied_deletes_name_the_grant_of_the_role(aws_env: None) -> None:
+    class NoBlockDeletes(Recording):
+        def delete_many(self, keys: Iterable[str]) -> DeleteResult:
+            keys = list(keys)
+            result = super().delete_many([k for k in keys if "/blocks/" not in k])
+            result.failed.update({k: "AccessDenied: no" for k in keys if "/blocks/" in k})
+            return result
+
+    pruner = {c.name: c for c in _doctor(NoBlockDeletes(), role="pruner").checks}
+    assert pruner["delete"].status == "fail"
+    assert "block objects" in pruner["delete"].detail
+    assert "grant s3:DeleteObject on arn:aws:s3:::b/s3kv/*" in (pruner["delete"].remedy or "")
+    engine = {c.name: c for c in _doctor(NoBlockDeletes(), role="engine").checks}
+    assert engine["delete"].status == "ok"  # an engine never deletes blocks
+    assert engine["delete"].detail == "allowed on manifest objects"
+
+
+def test_an_unknown_role_or_deadline_is_refused() -> None:
+    with pytest.raises(ValueError, match="role"):
+        run_doctor(environ={}, role="admin")
+    with pytest.raises(ValueError, match="timeout"):
+        run_doctor(environ={}, timeout=0)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import shlex
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Literal
 
 import typer
 from rich.console import Console
@@ -12,7 +12,7 @@ from rich.console import Console
 from s3kv.cli.common import Common, bucket_command
 from s3kv.cli.context import CommandError, JsonOpt, runtime
 from s3kv.cli.output import Output, table
-from s3kv.ops.doctor import DoctorReport, run_doctor
+from s3kv.ops.doctor import DEFAULT_TIMEOUT_S, DoctorReport, run_doctor
 
 __all__ = ["doctor", "local_s3_app"]
 
@@ -23,30 +23,61 @@ def doctor(
     samples: Annotated[
         int, typer.Option("--samples", min=1, max=100, help="HEAD requests for latency.")
     ] = 5,
+    role: Annotated[
+        Literal["all", "engine", "pruner", "reader"],
+        typer.Option(
+            "--role",
+            help="Check only what this role needs: engine (blocks and manifest, conditional "
+            "writes, manifest deletes), pruner (prune/compact/pin), reader (list and get).",
+        ),
+    ] = "all",
+    timeout: Annotated[
+        float,
+        typer.Option(
+            "--timeout",
+            min=1.0,
+            max=600.0,
+            help="Seconds the whole run may take; each request waits at most a quarter.",
+        ),
+    ] = DEFAULT_TIMEOUT_S,
 ) -> None:
     """Check settings, credentials, bucket, permissions, conditional writes and latency.
 
-    Permissions are tried on a scratch object under <prefix>/.s3kv-probe/ that is deleted
-    afterwards. Exits 1 if any check fails; every failure comes with its remedy.
+    Permissions are tried on scratch keys under PREFIX/.s3kv-doctor/ (and the conditional
+    write under PREFIX/.s3kv-probe/) that are deleted afterwards. Each step prints a line
+    on stderr as it starts and ends (not with --json), and the run ends within --timeout.
+    Exits 1 if any check fails; every failure comes with its remedy.
+
+    Examples: s3kv doctor --role engine; s3kv doctor --role reader --timeout 5 --json
     """
     rt = common.rt
+    out = common.output()
     report = run_doctor(
         environ=rt.environ,
         overrides=common.overrides(),
         open_backend=rt.open_backend,
         samples=samples,
+        role=role,
+        timeout=timeout,
+        progress=out.note,
     )
-    out = common.output()
     document = {
         "command": "doctor",
         "ok": report.ok,
+        "role": report.role,
+        "timeout_s": report.timeout_s,
+        "endpoint": report.endpoint,
+        "region": report.region,
         "settings": [vars(s) for s in report.settings],
         "checks": [vars(c) for c in report.checks],
     }
     out.emit(document, lambda con: _render_doctor(con, report))
     if not report.ok:
         failed = [c.name for c in report.checks if c.status == "fail"]
-        raise CommandError(f"failed checks: {', '.join(failed)} (each with its remedy above)", 1)
+        where = f" at {report.endpoint}" if report.endpoint else ""
+        raise CommandError(
+            f"failed checks: {', '.join(failed)}{where} (each with its remedy above)", 1
+        )
 
 
 def _render_doctor(con: Console, report: DoctorReport) -> None:

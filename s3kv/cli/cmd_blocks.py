@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+import math
 from typing import Annotated, Any
 
 import typer
@@ -13,7 +15,7 @@ from s3kv.cli.output import Output, ago, human_bytes, table
 from s3kv.config import parse_duration
 from s3kv.ops.compaction import compact_scope
 from s3kv.ops.prune import PrunePlan, PruneReport, Tally, execute_prune, plan_prune
-from s3kv.ops.stats import AGE_BUCKETS, PriceTable, StatsReport, collect_stats
+from s3kv.ops.stats import AGE_BUCKETS, KindStats, PriceTable, StatsReport, collect_stats
 from s3kv.ops.verify import VerifyReport, verify_objects
 from s3kv.storage import DELETE_BATCH
 
@@ -211,8 +213,9 @@ def stats(
         ),
     ] = None,
 ) -> None:
-    """Per fingerprint: objects, bytes, compression, age and last-use histograms, hits,
-    pins, and the estimated monthly cost."""
+    """Per fingerprint: blocks, compression, age and last-use histograms, hits, pins; every
+    object s3kv wrote, by kind (blocks, manifest segments, log, deltas, snapshots,
+    identity, other), with bytes and storage cost; and the estimated monthly cost."""
     table_ = PriceTable.from_file(prices) if prices else PriceTable()
     with common.session(write=False) as s, s.out.progress() as progress:
         report = collect_stats(
@@ -230,8 +233,13 @@ def stats(
         "prices": vars(report.prices),
         "objects": report.objects,
         "stored_bytes": report.stored_bytes,
+        "total_objects": report.total_objects,
+        "total_bytes": report.total_bytes,
+        "kinds": {kind: dataclasses.asdict(k) for kind, k in report.kinds.items()},
+        "storage_usd_month": report.storage_usd_month,
+        "requests_usd_month": report.requests_usd_month,
         "usd_month": report.usd_month,
-        "fingerprints": [vars(fp) for fp in report.fingerprints],
+        "fingerprints": [dataclasses.asdict(fp) for fp in report.fingerprints],
     }
     s.out.emit(document, lambda con: _render_stats(con, report))
 
@@ -240,15 +248,17 @@ def _render_stats(con: Console, report: StatsReport) -> None:
     cols = [
         "fingerprint",
         "model",
-        "#objects",
+        "#blocks",
         "#stored",
         "#raw",
         "#ratio",
         "#hits",
         "#pins",
+        "#all objects",
+        "#all bytes",
         "#USD/month",
     ]
-    t = table("stats", *cols)
+    t = table("stats (blocks; all: every object under the fingerprint)", *cols)
     for fp in report.fingerprints:
         ratio = f"{fp.ratio:.2f}x" if fp.ratio else "-"
         usd = fp.storage_usd_month + fp.requests_usd_month
@@ -261,12 +271,15 @@ def _render_stats(con: Console, report: StatsReport) -> None:
             ratio,
             str(fp.hits),
             str(fp.pins),
-            f"{usd:.2f}",
+            str(fp.total_objects),
+            human_bytes(fp.total_bytes),
+            _usd(usd),
         )
     con.print(t)
+    _render_kinds(con, report)
     labels = [label for label, _ in AGE_BUCKETS]
     hist = table(
-        "objects by age | by time since last use",
+        "blocks by age | by time since last use",
         "fingerprint",
         *(f"#{x}" for x in labels),
         "|",
@@ -285,9 +298,50 @@ def _render_stats(con: Console, report: StatsReport) -> None:
             con.print(f"manifest {fp.fingerprint}: {fp.manifest_error}", markup=False)
     sources = ", ".join(sorted({fp.raw_source for fp in report.fingerprints})) or "-"
     con.print(
-        f"raw bytes: {sources}; "
-        f"prices: {report.prices.name}; total ~{report.usd_month:.2f} USD/month"
+        f"raw bytes: {sources}; prices: {report.prices.name}; "
+        f"storage ~{_usd(report.storage_usd_month)} + requests "
+        f"~{_usd(report.requests_usd_month)} = total ~{_usd(report.usd_month)} USD/month",
+        markup=False,
     )
+
+
+def _render_kinds(con: Console, report: StatsReport) -> None:
+    """Objects, bytes and storage cost by kind: per fingerprint, then the total."""
+    t = table("stored by kind", "fingerprint", "kind", "#objects", "#bytes", "#share", "#USD/month")
+
+    def rows(label: str, kinds: dict[str, KindStats], total: int) -> None:
+        for kind, k in kinds.items():
+            if k.objects:
+                share = f"{100 * k.bytes / total:.1f}%" if total else "-"
+                t.add_row(
+                    label, kind, str(k.objects), human_bytes(k.bytes), share,
+                    _usd(k.storage_usd_month),
+                )  # fmt: skip
+        storage = sum(k.storage_usd_month for k in kinds.values())
+        objects = sum(k.objects for k in kinds.values())
+        t.add_row(label, "total", str(objects), human_bytes(total), "", _usd(storage))
+
+    for fp in report.fingerprints:
+        rows(fp.fingerprint, fp.kinds, fp.total_bytes)
+    if len(report.fingerprints) > 1:
+        rows("all fingerprints", report.kinds, report.total_bytes)
+    con.print(t)
+    for fp in report.fingerprints:
+        if fp.snapshot_generations > 2:
+            con.print(
+                f"note: {fp.fingerprint} holds {fp.snapshot_generations} manifest snapshot "
+                f"generations ({human_bytes(fp.kinds['snapshots'].bytes)}): one or two are "
+                "live, the compactor's hourly sweep deletes the others",
+                markup=False,
+            )
+
+
+def _usd(value: float) -> str:
+    """Dollars with two decimals; amounts under a cent keep two significant digits."""
+    if not 0 < value < 0.01:
+        return f"{value:.2f}"
+    decimals = min(8, 1 - math.floor(math.log10(value)))
+    return f"{value:.{decimals}f}"
 
 
 @bucket_command()

@@ -2,7 +2,15 @@
 
 Where each figure comes from:
 
-* **objects, stored bytes, ages** — a listing of ``blocks/`` (sizes and ``LastModified``).
+* **objects and bytes by kind** — one listing of everything under ``<prefix>/<fp>/``,
+  each object counted under one of :data:`KINDS`: ``blocks`` (``blocks/<hh>/<hash>``),
+  ``segments`` (``manifest/segments/``), ``log`` (``manifest/log/`` entries and the
+  ``LATEST``/format-1 ``CURRENT`` pointers), ``deltas`` (``manifest/deltas/``),
+  ``snapshots`` (``manifest/snapshots/``: sharded filter/usage objects, and format 1's
+  ``<gen>/bloom.bin``/``usage.bin``), ``identity`` (``identity.json``) and ``other``
+  (anything else, e.g. a non-block key under ``blocks/``). Layout:
+  ``s3kv/manifest/README.md``.
+* **block objects, stored bytes, ages** — the ``blocks`` kind (sizes and ``LastModified``).
 * **raw bytes** — every block of a fingerprint has the same raw size, so when its
   ``identity.json`` gives the geometry (``num_layers × kv_factor × block_elems ×
   itemsize(kv_dtype)``) raw bytes are exact (``raw_source="identity"``). Otherwise the
@@ -12,7 +20,8 @@ Where each figure comes from:
 * **last use** — the later of the manifest's last write/hit and ``LastModified`` (as prune
   decides), so the histogram shows what ``prune --older-than`` would remove.
 * **hits, pins** — the manifest's usage table (snapshot plus newer segments).
-* **monthly cost** — storage: stored bytes × the price per GiB-month. Requests, over 30
+* **monthly cost** — storage: the bytes of *every* kind × the price per GiB-month (per kind
+  and in total: manifest snapshots can outweigh the blocks). Requests, over 30
   days: PUTs = blocks first written in the last 30 days; GETs = each block's hits scaled to
   30 days at its average rate since its first write (hits are cumulative per key).
   Defaults are AWS S3 Standard in us-east-1 (:class:`PriceTable`); pass your own table.
@@ -32,9 +41,10 @@ from typing import Any
 import numpy as np
 
 from s3kv.errors import CodecError, ConfigError
+from s3kv.keys import fingerprint_prefix, parse_block_object_key
 from s3kv.manifest import USAGE_DTYPE, UsageTable, load_usage
 from s3kv.ops import ProgressFn, no_progress
-from s3kv.ops.scope import BlockObject, Fingerprint, list_blocks
+from s3kv.ops.scope import BlockObject, Fingerprint
 from s3kv.storage import Backend
 
 if sys.version_info >= (3, 11):
@@ -42,7 +52,16 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover - exercised on 3.10 only
     import tomli as tomllib
 
-__all__ = ["AGE_BUCKETS", "FingerprintStats", "PriceTable", "StatsReport", "collect_stats"]
+__all__ = [
+    "AGE_BUCKETS",
+    "KINDS",
+    "FingerprintStats",
+    "KindStats",
+    "PriceTable",
+    "StatsReport",
+    "classify",
+    "collect_stats",
+]
 
 #: Histogram buckets: (label, upper bound in seconds, exclusive).
 AGE_BUCKETS: tuple[tuple[str, float], ...] = (
@@ -54,6 +73,46 @@ AGE_BUCKETS: tuple[tuple[str, float], ...] = (
 )
 _MONTH_S = 30 * 86400.0
 _GIB = 1024**3
+
+#: The kinds of object s3kv writes under a fingerprint (see the module docstring).
+KINDS: tuple[str, ...] = (
+    "blocks",
+    "segments",
+    "log",
+    "deltas",
+    "snapshots",
+    "identity",
+    "other",
+)
+# NOTE: the manifest's directory names (s3kv/manifest/README.md); its front does not export
+# them, so they are repeated here.
+_MANIFEST_KINDS: tuple[tuple[str, str], ...] = (
+    ("segments/", "segments"),
+    ("log/", "log"),
+    ("deltas/", "deltas"),
+    ("snapshots/", "snapshots"),
+)
+_MANIFEST_POINTERS = frozenset({"LATEST", "CURRENT"})
+
+
+def classify(relative: str) -> str:
+    """The :data:`KINDS` entry of a key relative to ``<prefix>/<fp>/``.
+
+    A key under ``blocks/`` is ``"blocks"`` here whatever its shape; :func:`collect_stats`
+    counts those that are not block keys as ``"other"``.
+    """
+    if relative.startswith("blocks/"):
+        return "blocks"
+    if relative == "identity.json":
+        return "identity"
+    if relative.startswith("manifest/"):
+        rest = relative[len("manifest/") :]
+        if rest in _MANIFEST_POINTERS:
+            return "log"
+        for directory, kind in _MANIFEST_KINDS:
+            if rest.startswith(directory):
+                return kind
+    return "other"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -106,13 +165,32 @@ def _non_negative(value: object) -> bool:
 
 
 @dataclass(frozen=True)
+class KindStats:
+    """Objects of one kind (:data:`KINDS`) and what storing them costs.
+
+    Attributes:
+        objects: Objects listed.
+        bytes: Their stored bytes.
+        storage_usd_month: Estimated storage cost per month.
+    """
+
+    objects: int
+    bytes: int
+    storage_usd_month: float
+
+
+def _kind_stats(objects: int, size: int, prices: PriceTable) -> KindStats:
+    return KindStats(objects, size, size / _GIB * prices.storage_per_gib_month)
+
+
+@dataclass(frozen=True)
 class FingerprintStats:
     """Stats of one fingerprint (see the module docstring for sources).
 
     Attributes:
         fingerprint: The fingerprint.
         model: Its ``model_id``, if known.
-        objects: Block objects listed.
+        objects: Block objects listed (``kinds["blocks"]``).
         stored_bytes: Their stored bytes.
         raw_bytes: Decoded bytes (``None`` if unknown).
         raw_source: ``"identity"``, ``"sampled N headers"`` or ``"unknown"``.
@@ -125,8 +203,13 @@ class FingerprintStats:
         unmanifested: Objects the manifest does not list.
         foreign: Objects under ``blocks/`` that are not block keys.
         manifest_error: Why the manifest could not be read (its figures are then 0).
-        storage_usd_month: Estimated storage cost per month.
+        storage_usd_month: Estimated storage cost per month, every kind.
         requests_usd_month: Estimated request cost per month.
+        kinds: Objects, bytes and storage cost per :data:`KINDS` entry (every kind present).
+        total_objects: Objects of every kind.
+        total_bytes: Bytes of every kind.
+        snapshot_generations: Manifest snapshots stored (``snapshots/<name>/`` directories;
+            one or two are live, older ones await deletion).
     """
 
     fingerprint: str
@@ -146,6 +229,10 @@ class FingerprintStats:
     manifest_error: str | None
     storage_usd_month: float
     requests_usd_month: float
+    kinds: dict[str, KindStats]
+    total_objects: int
+    total_bytes: int
+    snapshot_generations: int
 
 
 @dataclass(frozen=True)
@@ -164,16 +251,50 @@ class StatsReport:
 
     @property
     def objects(self) -> int:
+        """Block objects, all fingerprints."""
         return sum(fp.objects for fp in self.fingerprints)
 
     @property
     def stored_bytes(self) -> int:
+        """Bytes of block objects, all fingerprints."""
         return sum(fp.stored_bytes for fp in self.fingerprints)
+
+    @property
+    def total_objects(self) -> int:
+        """Objects of every kind, all fingerprints."""
+        return sum(fp.total_objects for fp in self.fingerprints)
+
+    @property
+    def total_bytes(self) -> int:
+        """Bytes of every kind, all fingerprints."""
+        return sum(fp.total_bytes for fp in self.fingerprints)
+
+    @property
+    def kinds(self) -> dict[str, KindStats]:
+        """Objects, bytes and storage cost per kind, all fingerprints (every kind)."""
+        return {
+            kind: _kind_stats(
+                sum(fp.kinds[kind].objects for fp in self.fingerprints),
+                sum(fp.kinds[kind].bytes for fp in self.fingerprints),
+                self.prices,
+            )
+            for kind in KINDS
+        }
+
+    @property
+    def storage_usd_month(self) -> float:
+        """Estimated storage cost per month, every kind, all fingerprints."""
+        return sum(fp.storage_usd_month for fp in self.fingerprints)
+
+    @property
+    def requests_usd_month(self) -> float:
+        """Estimated request cost per month, all fingerprints."""
+        return sum(fp.requests_usd_month for fp in self.fingerprints)
 
     @property
     def usd_month(self) -> float:
         """Estimated storage plus request cost per month, all fingerprints."""
-        return sum(fp.storage_usd_month + fp.requests_usd_month for fp in self.fingerprints)
+        return self.storage_usd_month + self.requests_usd_month
 
 
 def collect_stats(
@@ -195,7 +316,7 @@ def collect_stats(
         prices: Price table; default :class:`PriceTable` (AWS S3 Standard).
         sample: Headers to read per fingerprint when its identity does not give raw sizes.
         clock: Epoch seconds.
-        progress: Called with ``("stats <fp>", objects listed, None)``.
+        progress: Called with ``("stats <fp>", objects listed, None)`` (every kind).
 
     Raises:
         StorageError: the bucket failed.
@@ -226,9 +347,25 @@ def _one(
     first = dict(zip(keys, rows["first_written"].tolist(), strict=True))
     used = dict(zip(keys, rows["last_used"].tolist(), strict=True))
     phase = f"stats {fp.fingerprint[:8]}"
+    base = fingerprint_prefix(prefix, fp.fingerprint)
     objects: list[BlockObject] = []
-    for count, obj in enumerate(list_blocks(backend, prefix, fp.fingerprint), start=1):
-        objects.append(obj)
+    counts = dict.fromkeys(KINDS, 0)
+    sizes = dict.fromkeys(KINDS, 0)
+    generations: set[str] = set()
+    for count, info in enumerate(backend.list(base), start=1):
+        relative = info.key[len(base) :]
+        kind = classify(relative)
+        if kind == "blocks":
+            parsed = parse_block_object_key(prefix, info.key)
+            block = parsed[1] if parsed is not None and parsed[0] == fp.fingerprint else None
+            objects.append(BlockObject(info.key, block, info.size, info.last_modified))
+            kind = "blocks" if block is not None else "other"
+        elif kind == "snapshots":
+            parts = relative.split("/")  # manifest/snapshots/<name>/<object>
+            if len(parts) > 3:
+                generations.add(parts[2])
+        counts[kind] += 1
+        sizes[kind] += info.size
         if count % 1000 == 0:
             progress(phase, count, None)
     blocks = [o for o in objects if o.block is not None]
@@ -237,6 +374,7 @@ def _one(
     last_use = _histogram(
         now - max(o.last_modified, used.get(o.block, 0.0)) for o in blocks if o.block
     )
+    kinds = {kind: _kind_stats(counts[kind], sizes[kind], prices) for kind in KINDS}
     raw, source = _raw_bytes(backend, fp, blocks, sample)
     hits = int(rows["hits"].sum())
     puts = sum(1 for t in rows["first_written"].tolist() if now - t < _MONTH_S)
@@ -260,8 +398,12 @@ def _one(
         unmanifested=sum(1 for o in blocks if o.block not in first),
         foreign=len(objects) - len(blocks),
         manifest_error=manifest_error,
-        storage_usd_month=stored / _GIB * prices.storage_per_gib_month,
+        storage_usd_month=sum(k.storage_usd_month for k in kinds.values()),
         requests_usd_month=puts / 1000 * prices.put_per_1000 + gets / 1000 * prices.get_per_1000,
+        kinds=kinds,
+        total_objects=sum(counts.values()),
+        total_bytes=sum(sizes.values()),
+        snapshot_generations=len(generations),
     )
 
 
