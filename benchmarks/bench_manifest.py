@@ -33,16 +33,23 @@ from s3kv.connector.requests import RequestView
 from s3kv.connector.scheduler import SchedulerCore
 from s3kv.connector.shared import ShardStores
 from s3kv.keys import ROOT_HASH, BlockHash, chain_hashes, manifest_prefix
-from s3kv.manifest import BloomFilter, Manifest, compact
+from s3kv.manifest import (
+    CompactionPolicy,
+    Compactor,
+    LogEntry,
+    Manifest,
+    ManifestIO,
+    ManifestLog,
+    compact,
+)
 from s3kv.manifest.format import (
-    CURRENT_NAME,
     KIND_WRITE,
     RECORD_DTYPE,
-    Current,
+    USAGE_DTYPE,
     encode_records,
     segment_name,
-    snapshot_paths,
 )
+from s3kv.manifest.snapshot import write_snapshot
 from s3kv.pool import IOPool
 from s3kv.staging import NumpyAllocator
 from s3kv.storage import Backend, DelegatingBackend, DeleteResult, MemoryBackend, ObjectInfo
@@ -97,15 +104,21 @@ def put_segment(backend: Backend, keys: np.ndarray, time_s: float, seq: int) -> 
 
 
 def build_manifest(n_keys: int, rng: np.random.Generator) -> tuple[MemoryBackend, np.ndarray]:
-    """A bucket whose manifest holds ``n_keys`` in a snapshot plus 2 newer small segments."""
+    """A bucket whose manifest holds ``n_keys`` in a snapshot plus 2 newer small deltas."""
     backend = MemoryBackend()
     keys = np.frombuffer(rng.bytes(16 * (n_keys + 200)), dtype="V16")
     for seq, start in enumerate(range(0, n_keys, SEGMENT_RECORDS)):
         put_segment(backend, keys[start : min(n_keys, start + SEGMENT_RECORDS)], T0, seq)
-    report = compact(backend, PREFIX, FP, capacity=n_keys, fpr=FPR, clock=lambda: T0 + 1)
+    report = compact(backend, PREFIX, FP, fpr=FPR, clock=lambda: T0 + 1)
     assert report.keys == n_keys, report
-    put_segment(backend, keys[n_keys : n_keys + 100], T0 + 2, 10_000)
-    put_segment(backend, keys[n_keys + 100 :], T0 + 3, 10_001)
+    # Two engine compaction cycles since the snapshot: the entry names two deltas.
+    io = ManifestIO(backend, PREFIX, FP)
+    compactor = Compactor(io, "bench", CompactionPolicy(snapshot_records=10**9))
+    entry = compactor.take_over(ManifestLog(io).latest())
+    for seq, (start, end) in enumerate([(n_keys, n_keys + 100), (n_keys + 100, n_keys + 200)]):
+        assert entry is not None
+        put_segment(backend, keys[start:end], T0 + 2 + seq, 10_000 + seq)
+        entry = compactor.cycle(entry).entry
     return backend, keys
 
 
@@ -130,35 +143,31 @@ def bench_startup(label: str, n_keys: int, repeats: int, rng: np.random.Generato
          bloom_mb=round(manifest.stats()["bloom_bytes"] / 1e6, 2))  # fmt: skip
 
 
-def build_10m_filter(rng: np.random.Generator, chain: list[bytes]) -> BloomFilter:
-    bloom = BloomFilter.for_capacity(10_000_000, FPR)
-    chunk = 1_000_000
-    for _ in range(10):
-        data = rng.bytes(16 * chunk)
-        bloom.add_many([data[i : i + 16] for i in range(0, len(data), 16)])
-    bloom.add_many(chain)
-    return bloom
+def publish_10m_snapshot(rng: np.random.Generator, chain: list[bytes]) -> MemoryBackend:
+    """A bucket whose log names a 10M-key snapshot (two xor-filter shards), chain included."""
+    rows = np.zeros(10_000_000 + len(chain), USAGE_DTYPE)
+    rows["key"][:10_000_000] = np.frombuffer(rng.bytes(16 * 10_000_000), dtype="V16")
+    rows["key"][10_000_000:] = np.frombuffer(b"".join(chain), dtype="V16")
+    backend = MemoryBackend()
+    io = ManifestIO(backend, PREFIX, FP)
+    ref, _ = write_snapshot(io, None, np.zeros(0, RECORD_DTYPE), path="snapshots/bench",
+                            generation=1, shard_keys=8_000_000, fp_bits=24, created_at=T0,
+                            base_rows=rows)  # fmt: skip
+    ManifestLog(io).append(LogEntry(1, "", "bench", 60.0, ref, created_at=T0))
+    return backend
 
 
 def bench_lookup(lookups: int, rng: np.random.Generator) -> None:
     chain = [bytes(k) for k in np.frombuffer(rng.bytes(16 * CHAIN_BLOCKS), dtype="V16")]
     started = time.perf_counter()
-    bloom = build_10m_filter(rng, chain)
+    backend = publish_10m_snapshot(rng, chain)
     build_s = time.perf_counter() - started
-    # Publish the filter as a snapshot and open it like an instance would.
-    backend = MemoryBackend()
-    root = manifest_prefix(PREFIX, FP)
-    bloom_path, usage_path = snapshot_paths(1)
-    backend.put(root + bloom_path, bloom.to_bytes())
-    pointer = Current(generation=1, bloom=bloom_path, usage=usage_path, keys=10_000_000,
-                      watermark="", created_at=T0)  # fmt: skip
-    backend.put(root + CURRENT_NAME, pointer.to_json())
-    del bloom
     counting = CountingBackend(backend)
     started = time.perf_counter()
-    manifest = Manifest.open(counting, PREFIX, FP, capacity=10_000_000, fpr=FPR)
+    manifest = Manifest.open(counting, PREFIX, FP, capacity=1_000_000, fpr=FPR)
     open_ms = (time.perf_counter() - started) * 1e3
-    emit("manifest.startup_ms_10m_filter", open_ms, "ms", bloom_mb=36,
+    emit("manifest.startup_ms_10m_filter", open_ms, "ms",
+         filter_mb=round(manifest.stats()["bloom_bytes"] / 1e6, 1),
          requests=manifest.open_requests)  # fmt: skip
 
     before = counting.requests

@@ -13,7 +13,13 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-SCRIPTS = ["bench_codec.py", "bench_manifest.py", "bench_s3.py"]
+SCRIPTS = [
+    "bench_codec.py",
+    "bench_manifest.py",
+    "bench_s3.py",
+    "bench_fleet.py",
+    "bench_prune.py",
+]
 
 
 def main() -> int:

@@ -12,7 +12,9 @@ A block's key must identify its KV bytes exactly, across processes, hosts and re
   weights revision, dtypes, quantization, block geometry, layout, TP shard, format version).
   Its :meth:`~ModelIdentity.fingerprint` namespaces every object. An input that is unknown
   (``None`` or :data:`UNKNOWN`) fails *closed*: the fingerprint gets a per-process random
-  component, so it can never match another instance's objects.
+  component, so it can never match another instance's objects. Under tensor parallelism
+  :func:`layout_fingerprint` (a digest of every shard's fingerprint) names what the shards
+  of one layout share: the manifest.
 * :func:`block_object_key` maps (prefix, fingerprint, hash) to the object key, with the hash's
   leading hex digits as a directory so that load and listings spread over key prefixes.
 """
@@ -49,6 +51,7 @@ UNKNOWN: Final = "<unknown>"
 
 _BLOCK_DOMAIN: Final = b"s3kv/block/v1\x00"
 _FINGERPRINT_DOMAIN: Final = "s3kv/fingerprint/v1"
+_LAYOUT_DOMAIN: Final = "s3kv/layout/v1"
 _MAX_TOKEN: Final = 2**32 - 1
 _SHARD_HEX_DIGITS: Final = 2
 #: Per-process nonce used when an identity input is unknown (fail closed).
@@ -344,6 +347,33 @@ class ModelIdentity:
         return hashlib.sha256(payload.encode("utf-8")).hexdigest()[:32]
 
 
+def layout_fingerprint(shards: Sequence[ModelIdentity]) -> str:
+    """The fingerprint of a tensor-parallel layout: what all of its shards share.
+
+    It names the layout's one manifest (the block keys are the same on every shard), while
+    each shard's blocks stay under its own :meth:`~ModelIdentity.fingerprint`. It is a digest
+    of the shards' fingerprints in rank order, not of one identity with the rank blanked out:
+    shards may differ in more than their rank (KV heads that do not divide evenly give each
+    rank its own ``block_elems``), and a manifest may only be shared by engines whose shards
+    all live under the same fingerprints. It fails closed with them. With one shard it *is*
+    that shard's fingerprint, so single-GPU buckets keep their manifest where it is.
+
+    Args:
+        shards: Every shard's identity, in rank order.
+
+    Raises:
+        KeyDerivationError: ``shards`` is not one whole layout in rank order.
+    """
+    if not shards or [s.tp_rank for s in shards] != list(range(len(shards))):
+        raise KeyDerivationError("layout_fingerprint: expects every shard, in rank order")
+    if any(s.tp_size != len(shards) for s in shards):
+        raise KeyDerivationError("layout_fingerprint: tp_size must equal the number of shards")
+    if len(shards) == 1:
+        return shards[0].fingerprint()
+    payload = json.dumps([_LAYOUT_DOMAIN, [s.fingerprint() for s in shards]])
+    return hashlib.sha256(payload.encode("utf-8")).hexdigest()[:32]
+
+
 def _join(prefix: str, *parts: str) -> str:
     clean = prefix.strip("/")
     return "/".join((clean, *parts)) if clean else "/".join(parts)
@@ -400,6 +430,7 @@ __all__ = [
     "fingerprint_prefix",
     "hash_block",
     "identity_object_key",
+    "layout_fingerprint",
     "manifest_prefix",
     "parse_block_object_key",
     "tokens_to_array",

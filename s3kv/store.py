@@ -18,6 +18,11 @@ Contracts (DESIGN.md invariants):
 
 Threads: one :class:`~s3kv.pool.IOPool` (owned here) runs GET→verify→decode and
 encode→PUT, prefetches first; the manifest has one daemon thread for flush and refresh.
+
+Manifest: by default each store opens (and owns) the manifest of its fingerprint. A caller
+may instead hand :meth:`KVStore.open` a :class:`ManifestSource`: under tensor parallelism
+the shards of one layout share one manifest (:mod:`s3kv.manifest.shards`), and each store
+gets a view of it that its owner starts; the store then only closes its view.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
 
@@ -37,7 +43,7 @@ from s3kv._logonce import LogOnce
 from s3kv.config import S3KVConfig
 from s3kv.errors import CodecError, SizeMismatchError, StorageError
 from s3kv.keys import BlockHash, ModelIdentity, block_object_key, identity_object_key
-from s3kv.manifest import Manifest, UsageTable, load_usage
+from s3kv.manifest import CompactionPolicy, Manifest, UsageTable, load_usage
 from s3kv.metrics import Metrics, serve_prometheus
 from s3kv.pool import IOPool, Priority
 from s3kv.staging import HostAllocator, HostBuffer, StagingCache
@@ -72,6 +78,54 @@ class LookupResult:
     maybe: int
 
 
+class ManifestLike(Protocol):
+    """What a store uses of a manifest: :class:`~s3kv.manifest.Manifest` and its views."""
+
+    def may_contain(self, key: bytes) -> bool:
+        """Whether ``key`` may exist (no network)."""
+        ...
+
+    def count_leading(self, keys: Sequence[bytes]) -> int:
+        """Length of the leading run of ``keys`` that may exist (no network)."""
+        ...
+
+    def record_write(self, key: BlockHash, parent: BlockHash, size: int) -> None:
+        """``key`` was written (``size`` stored bytes)."""
+        ...
+
+    def record_hits(self, keys: Sequence[BlockHash]) -> None:
+        """``keys`` served a request."""
+        ...
+
+    def flush(self) -> int:
+        """Write pending records now; how many."""
+        ...
+
+    def close(self, flush: bool = True, timeout: float | None = None) -> None:
+        """Stop background work (idempotent)."""
+        ...
+
+    def stats(self) -> dict[str, float]:
+        """Counters and gauges by name."""
+        ...
+
+
+@dataclass(frozen=True)
+class ManifestSource:
+    """A manifest the store does not open itself (a shared one), for :meth:`KVStore.open`.
+
+    Attributes:
+        fingerprint: The fingerprint the manifest lives under (its usage records are read
+            from there by :meth:`KVStore.usage`), e.g. a TP layout's fingerprint.
+        open: Called once with the store's instrumented backend; returns the manifest the
+            store uses. Whoever provides it starts its background work; the store neither
+            starts it nor closes it more than once (its :meth:`~ManifestLike.close`).
+    """
+
+    fingerprint: str
+    open: Callable[[Backend], ManifestLike]
+
+
 class SaveStatus(enum.Enum):
     """What :meth:`KVStore.save` did with a block."""
 
@@ -87,26 +141,28 @@ class KVStore:
 
     Args:
         backend: Object store (wrapped for metrics unless already instrumented).
-        manifest: The opened manifest of ``fingerprint``.
+        manifest: The opened manifest of ``fingerprint`` (or a view of a shared one).
         fingerprint: Namespace of every object key.
         config: Settings (prefix, bounds, codec, policies).
         metrics: Registry shared with the manifest and staging.
         allocator: Staging buffer allocator (pinned host memory under CUDA by default).
         pool: I/O pool; default ``config.io_threads`` threads (pass ``IOPool(0)`` for inline).
         block_nbytes: Raw size every block must have, if known (checked on decode).
+        manifest_fingerprint: Where the manifest lives, if not under ``fingerprint``.
     """
 
     def __init__(
         self,
         *,
         backend: Backend,
-        manifest: Manifest,
+        manifest: ManifestLike,
         fingerprint: str,
         config: S3KVConfig,
         metrics: Metrics | None = None,
         allocator: HostAllocator | None = None,
         pool: IOPool | None = None,
         block_nbytes: int | None = None,
+        manifest_fingerprint: str | None = None,
     ) -> None:
         self.metrics = metrics or Metrics()
         self.backend = (
@@ -116,6 +172,7 @@ class KVStore:
         )
         self.manifest = manifest
         self.fingerprint = fingerprint
+        self.manifest_fingerprint = manifest_fingerprint or fingerprint
         self.config = config
         self.block_nbytes = block_nbytes
         self.staging = StagingCache(config.staging_bytes, allocator=allocator, metrics=self.metrics)
@@ -142,8 +199,12 @@ class KVStore:
         allocator: HostAllocator | None = None,
         pool: IOPool | None = None,
         start_background: bool = True,
+        manifest: ManifestSource | None = None,
     ) -> KVStore:
         """Connect, check the bucket, load the manifest and start background work.
+
+        ``manifest``: use that manifest (a view of one shared by the shards of a TP layout)
+        instead of opening this fingerprint's own; its provider starts it.
 
         Raises:
             ConfigError: no bucket configured for S3.
@@ -162,14 +223,12 @@ class KVStore:
 
             payload = json.dumps(identity.as_dict(), indent=2, sort_keys=True).encode()
             instrumented.put(identity_key, payload, if_absent=True)
-        manifest = Manifest.open(
-            instrumented,
-            config.key_prefix,
-            fingerprint,
-            capacity=config.bloom_capacity,
-            fpr=config.bloom_fpr,
-            instance_id=config.instance_id or None,
-        )
+        own: Manifest | None = None
+        opened: ManifestLike
+        if manifest is None:
+            opened = own = open_manifest(instrumented, config, fingerprint)
+        else:
+            opened = manifest.open(instrumented)
         block_nbytes = (
             identity.num_layers
             * identity.kv_factor
@@ -180,16 +239,17 @@ class KVStore:
         )
         store = cls(
             backend=instrumented,
-            manifest=manifest,
+            manifest=opened,
             fingerprint=fingerprint,
             config=config,
             metrics=metrics,
             allocator=allocator,
             pool=pool,
             block_nbytes=block_nbytes,
+            manifest_fingerprint=manifest.fingerprint if manifest is not None else None,
         )
-        if start_background:
-            manifest.start(
+        if start_background and own is not None:
+            own.start(
                 refresh_interval=config.manifest_refresh_interval,
                 flush_interval=config.manifest_flush_interval,
                 flush_keys=config.manifest_flush_keys,
@@ -283,13 +343,15 @@ class KVStore:
         """Leading blocks of ``keys`` the manifest may hold (its Bloom filter; no network)."""
         return self.manifest.count_leading(keys)
 
-    def usage(self) -> UsageTable:
-        """This fingerprint's usage records (hits, writes, pins) folded from the bucket.
+    def usage(self, top: int | None = None) -> UsageTable:
+        """This fingerprint's usage (hits, writes, pins) folded from the bucket.
+
+        ``top``: keep only that many hottest keys, streaming shard by shard (bounded memory).
 
         Raises:
             StorageError: The bucket cannot be read.
         """
-        return load_usage(self.backend, self.config.key_prefix, self.fingerprint)
+        return load_usage(self.backend, self.config.key_prefix, self.manifest_fingerprint, top=top)
 
     def may_contain(self, key: BlockHash) -> bool:
         """Whether the bucket may hold ``key`` (false positives possible; no network)."""
@@ -566,5 +628,39 @@ class KVStore:
 __all__ = [
     "KVStore",
     "LookupResult",
+    "ManifestLike",
+    "ManifestSource",
     "SaveStatus",
+    "open_manifest",
 ]
+
+
+def open_manifest(backend: Backend, config: S3KVConfig, fingerprint: str) -> Manifest:
+    """The live manifest of ``fingerprint`` with ``config``'s settings, loaded (not started).
+
+    Compaction takes part in the election only where the server honours conditional PUT
+    (the lease and the fencing rest on it); elsewhere it is off, said once in the log.
+    """
+    compaction = None
+    if config.manifest_compaction == "auto":
+        if backend.capabilities.conditional_put:
+            compaction = CompactionPolicy(
+                interval_s=config.manifest_compaction_interval, lease_s=config.manifest_lease
+            )
+        else:
+            logger.warning(
+                "s3kv: %s does not honour conditional PUT; manifest compaction is off "
+                "(run `s3kv compact` on a schedule instead)",
+                backend.description,
+            )
+    return Manifest.open(
+        backend,
+        config.key_prefix,
+        fingerprint,
+        capacity=config.bloom_capacity,
+        fpr=config.bloom_fpr,
+        instance_id=config.instance_id or None,
+        compaction=compaction,
+        hit_interval=config.manifest_hit_interval,
+        open_timeout=config.manifest_open_timeout,
+    )

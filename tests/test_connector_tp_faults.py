@@ -41,6 +41,12 @@ def faulty(fault_rank: int, real: Callable[..., Any]) -> Callable[..., Any]:
     return call
 
 
+def fault_every_store_opener(monkeypatch: pytest.MonkeyPatch, fault_rank: int) -> None:
+    """Under TP rank 0 opens the layout's stores, the others stores relayed to rank 0's."""
+    for name in ("open_store", "open_layout", "open_relayed_store"):
+        monkeypatch.setattr(ProcessState, name, faulty(fault_rank, getattr(ProcessState, name)))
+
+
 FAULTS: dict[str, Callable[[pytest.MonkeyPatch, int], None]] = {
     # rank 0 derives the weights revision inside registration (an unreadable checkpoint)
     "weights_revision": lambda mp, r: mp.setattr(
@@ -51,9 +57,7 @@ FAULTS: dict[str, Callable[[pytest.MonkeyPatch, int], None]] = {
         S3KVConnectorWorker, "_describe", faulty(r, S3KVConnectorWorker._describe)
     ),
     # a rank cannot open its store (not an S3KVError: an unexpected failure)
-    "open_store": lambda mp, r: mp.setattr(
-        ProcessState, "open_store", faulty(r, ProcessState.open_store)
-    ),
+    "open_store": fault_every_store_opener,
     # rank 0's scheduler cannot start (after the all-gather)
     "scheduler_initialize": lambda mp, r: mp.setattr(
         S3KVConnectorScheduler, "initialize", faulty(r, S3KVConnectorScheduler.initialize)

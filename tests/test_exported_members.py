@@ -34,8 +34,8 @@ PUBLIC: dict[str, list[str]] = {
         "KIND_HIT", "KIND_PIN", "KIND_UNPIN", "KIND_WRITE", "RECORD_DTYPE", "UNKNOWN_PARENT",
         "USAGE_DTYPE", "BloomFilter", "CompactionPolicy", "CompactionReport", "Compactor",
         "CycleReport", "DeltaRef", "KeyFilter", "LogEntry", "Manifest", "ManifestIO",
-        "ManifestLog", "Records", "SegmentWriter", "SnapshotRef", "UsageRow", "UsageTable",
-        "XorFilter", "compact", "load_usage",
+        "ManifestLog", "Records", "SegmentWriter", "ShardView", "ShardedPresence",
+        "SnapshotRef", "UsageRow", "UsageTable", "XorFilter", "compact", "load_usage",
     ],
     "s3kv.manifest.shards": ["ShardView", "ShardedPresence"],
 }  # fmt: skip

@@ -23,6 +23,7 @@ from s3kv.keys import (
     block_object_key,
     chain_hashes,
     hash_block,
+    layout_fingerprint,
     parse_block_object_key,
 )
 
@@ -190,6 +191,54 @@ def test_fingerprint_is_stable_across_processes() -> None:
 )
 def test_every_identity_field_changes_the_fingerprint(change: dict[str, object]) -> None:
     assert dataclasses.replace(IDENTITY, **change).fingerprint() != IDENTITY.fingerprint()  # type: ignore[arg-type]
+
+
+def shards_of(identity: ModelIdentity, tp_size: int) -> list[ModelIdentity]:
+    return [dataclasses.replace(identity, tp_size=tp_size, tp_rank=r) for r in range(tp_size)]
+
+
+def test_golden_fingerprints_are_stable() -> None:
+    # Pinned values: a moved shard fingerprint orphans every block object of that model, a
+    # moved layout fingerprint every TP manifest.
+    assert IDENTITY.fingerprint() == "b8673d32d05107d952eb38e3880f307a"
+    shards = shards_of(IDENTITY, 2)
+    assert shards[1].fingerprint() == "9aafa70e5eaf81d04bda1b9d59864ee0"
+    assert layout_fingerprint(shards) == "5b58472b26341413e114d55551f3e888"
+
+
+def test_layout_fingerprint_names_one_manifest_per_layout() -> None:
+    # TP=1: the layout is the shard, so single-GPU buckets keep their manifest.
+    assert layout_fingerprint([IDENTITY]) == IDENTITY.fingerprint()
+    shards = shards_of(IDENTITY, 4)
+    layout = layout_fingerprint(shards)
+    assert layout not in {s.fingerprint() for s in shards}, "blocks stay under each shard"
+    # Another TP size, another input, or another per-shard geometry (KV heads that do not
+    # divide evenly) is another layout.
+    assert layout_fingerprint(shards_of(IDENTITY, 2)) != layout
+    other = shards_of(dataclasses.replace(IDENTITY, kv_dtype="fp8_e4m3"), 4)
+    assert layout_fingerprint(other) != layout
+    uneven = [*shards[:3], dataclasses.replace(shards[3], block_elems=1)]
+    assert layout_fingerprint(uneven) != layout
+
+
+@pytest.mark.parametrize("ranks", [[], [1, 0], [0, 1, 2]])
+def test_layout_fingerprint_needs_every_shard_in_rank_order(ranks: list[int]) -> None:
+    shards = [dataclasses.replace(IDENTITY, tp_size=2, tp_rank=r % 2) for r in ranks]
+    with pytest.raises(KeyDerivationError, match="layout_fingerprint"):
+        layout_fingerprint(shards)
+
+
+def test_layout_fingerprint_fails_closed_too() -> None:
+    code = (
+        "import sys, dataclasses; sys.path.insert(0, 'tests'); "
+        "from test_keys import IDENTITY, shards_of; from s3kv.keys import layout_fingerprint; "
+        "print(layout_fingerprint(shards_of(dataclasses.replace(IDENTITY, dtype=None), 2)))"
+    )
+    other_process = subprocess.run(
+        [sys.executable, "-c", code], check=True, capture_output=True, text=True
+    ).stdout.strip()
+    unknown = shards_of(dataclasses.replace(IDENTITY, dtype=None), 2)
+    assert other_process != layout_fingerprint(unknown)
 
 
 @pytest.mark.parametrize("value", [None, UNKNOWN])

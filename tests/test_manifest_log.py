@@ -534,3 +534,63 @@ def test_a_snapshot_past_its_age_is_rewritten_without_news(
     assert c.compact_once() == "takeover"
     clock.advance(POLICY.snapshot_max_age_s + 1)
     assert c.compact_once() == "cycle:snapshot"
+
+
+def test_an_instance_paused_past_the_swept_log_catches_up_and_never_forks_it(
+    backend: CountingBackend, clock: Clock
+) -> None:
+    # Entries behind the newest 64 are swept: a long pause must not let anyone re-create
+    # a swept version number (that would fork the log and delete the live snapshot).
+    mono = Clock(0.0)
+    policy = CompactionPolicy(snapshot_records=50, grace_s=60.0)
+
+    def join(name: str, compacting: bool = True) -> Manifest:
+        return Manifest.open(backend, PREFIX, FP, capacity=1000, fpr=FPR, instance_id=name,
+                             clock=clock, monotonic=mono,
+                             compaction=policy if compacting else None)  # fmt: skip
+
+    a, paused = join("a"), join("paused")
+    a.compact_once()
+    paused.refresh()
+    writer = join("w", compacting=False)
+    for step in range(200):  # about 67 minutes of 20-second cycles while "paused" sleeps
+        write_chain(writer, make_chain(1, seed=1000 + step))
+        writer.flush()
+        clock.advance(20)
+        mono.advance(20)
+        a.compact_once()
+    newest = latest(backend).version
+    assert not backend.inner.get(f"{ROOT}log/{paused.version + 1:020d}.json")  # swept
+    # The paused instance wakes: neither its takeover nor its refresh forks the log.
+    assert paused.compact_once() == "lost"
+    assert latest(backend).version == newest
+    paused.refresh()
+    assert paused.version == newest
+    assert all(paused.may_contain(k) for k in make_chain(1, seed=1199))
+    assert paused.compact_once() == "wait"
+    assert a.compact_once().startswith("cycle:")
+
+
+def test_a_holder_paused_past_the_swept_log_is_fenced(
+    backend: CountingBackend, clock: Clock
+) -> None:
+    io = io_of(backend)
+    policy = CompactionPolicy(grace_s=0.0, keep_versions=2)
+    sleeper = Compactor(io, "sleeper", policy, clock=clock)
+    entry = sleeper.take_over(None)
+    assert entry is not None
+    other = Compactor(io, "other", policy, clock=clock)
+    current = other.take_over(entry)
+    assert current is not None
+    for _ in range(10):
+        clock.advance(60)
+        report = other.cycle(current, force_snapshot=True)
+        assert report.entry is not None
+        current = report.entry
+    other.sweep(current)
+    assert not backend.inner.get(f"{ROOT}log/{entry.version + 1:020d}.json")
+    writer = reader(backend, clock, "w")
+    write_chain(writer, make_chain(2, seed=17))
+    writer.flush()
+    assert sleeper.cycle(entry).action == "fenced"
+    assert latest(backend) == current

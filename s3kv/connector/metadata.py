@@ -54,6 +54,8 @@ class ConnectorMetadata:
             worker publishes it on the completion board once its copies have *completed*;
             the scheduler keeps the staged sources pinned until every rank has.
         board: Path of the shared completion board (tensor parallel), else ''.
+        relay: Path of the write relay through which the other ranks report their saves to
+            the layout's shared manifest (tensor parallel, with saves), else ''.
     """
 
     loads: tuple[LoadOp, ...] = ()
@@ -61,6 +63,7 @@ class ConnectorMetadata:
     arenas: tuple[tuple[str, int], ...] = ()
     load_seq: int = 0
     board: str = ""
+    relay: str = ""
 
 
 EMPTY = ConnectorMetadata()

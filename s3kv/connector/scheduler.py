@@ -226,7 +226,9 @@ class SchedulerCore:
             seq = self._load_seq
             self._held.append((seq, [BlockHash(op.key) for op in loads]))
         arenas = self.shards.arenas if loads and self.shards is not None else ()
-        return ConnectorMetadata(loads, tuple(saves), arenas, seq, self.board.path if loads else "")
+        relay = self.shards.relay if saves and self.shards is not None else ""
+        board = self.board.path if loads else ""
+        return ConnectorMetadata(loads, tuple(saves), arenas, seq, board, relay)
 
     def _plan_request_saves(
         self, state: _Request, data: StepReport, *, first: bool

@@ -7,11 +7,19 @@ memory, and s3kv uses that: the worker publishes what it learned at ``register_k
 to stage every rank's bytes. Stores are opened once per process and fingerprint, and closed
 (saves drained with the configured deadline) at interpreter exit, because the connector API
 has no shutdown hook.
+
+Under tensor parallelism the shards of a layout share one manifest, under the layout's
+fingerprint (:meth:`ProcessState.open_layout`, :mod:`s3kv.manifest.shards`): it advertises a
+block once every shard is written. Rank 0's process holds it; the other ranks' stores report
+their writes to it through the write relay (:mod:`s3kv.connector.relay`) and open no
+manifest at all (:meth:`ProcessState.open_relayed_store`).
 """
 
 from __future__ import annotations
 
 import atexit
+import functools
+import json
 import logging
 import threading
 from collections.abc import Sequence
@@ -20,10 +28,14 @@ from typing import Any
 
 from s3kv.config import S3KVConfig
 from s3kv.connector.arena import SlabArena
-from s3kv.keys import BlockHash, ModelIdentity
+from s3kv.connector.relay import RelayedManifest, RelayPump, WriteRelay
+from s3kv.errors import StorageError
+from s3kv.keys import BlockHash, ModelIdentity, identity_object_key, layout_fingerprint
+from s3kv.manifest import ShardedPresence, ShardView
 from s3kv.metrics import Metrics
 from s3kv.staging import HostAllocator
-from s3kv.store import KVStore
+from s3kv.storage import Backend
+from s3kv.store import KVStore, ManifestSource, open_manifest
 
 logger = logging.getLogger(__name__)
 
@@ -47,15 +59,56 @@ class ShardInfo:
     host: str
 
 
+@dataclass(frozen=True)
+class OpenLayout:
+    """The stores of one TP layout, opened by :meth:`ProcessState.open_layout`.
+
+    Attributes:
+        stores: One per shard, in rank order, sharing the layout's manifest.
+        relay: Path of the write relay the other ranks report their writes to.
+    """
+
+    stores: list[KVStore]
+    relay: str
+
+
+def _describe_layout(
+    backend: Backend, prefix: str, layout: str, identities: Sequence[ModelIdentity]
+) -> None:
+    """Write the layout's ``identity.json`` once: rank 0's identity without a rank, and the
+    fingerprints (and block sizes, which may differ) of its shards.
+
+    Best effort (operators' tools read it; nothing in the engine does).
+    """
+    key = identity_object_key(prefix, layout)
+    data = identities[0].as_dict()
+    data["tp_rank"] = None
+    data["block_elems"] = [identity.block_elems for identity in identities]
+    data["shard_fingerprints"] = [identity.fingerprint() for identity in identities]
+    try:
+        if backend.head(key) is None:
+            backend.put(key, json.dumps(data, indent=2, sort_keys=True).encode(), if_absent=True)
+    except StorageError as exc:
+        logger.warning("s3kv: cannot describe layout %s: %s", layout, exc)
+
+
+def _view_of(presence: ShardedPresence, shard: int, backend: Backend) -> ShardView:
+    return presence.view(shard)
+
+
 @dataclass
 class ProcessState:
     """The per-process singleton; see the module docstring."""
 
     shards: list[ShardInfo] | None = None
+    #: Every store of this process, by fingerprint (a layout's: ``<shard fp>@<layout fp>``).
     stores: dict[str, KVStore] = field(default_factory=dict)
     lock: threading.Lock = field(default_factory=threading.Lock)
     #: The scheduler built in this process (rank 0), initialized by the worker.
     scheduler: Any = None
+    layouts: dict[str, OpenLayout] = field(default_factory=dict)
+    relayed: dict[str, RelayedManifest] = field(default_factory=dict)
+    pumps: list[tuple[RelayPump, float]] = field(default_factory=list)
 
     def open_store(
         self, config: S3KVConfig, identity: ModelIdentity, allocator: HostAllocator | None = None
@@ -69,12 +122,117 @@ class ProcessState:
                 self.stores[fingerprint] = store
             return store
 
-    def close_all(self) -> None:
-        """Drain and close every store (at exit)."""
+    def open_relayed_store(
+        self, config: S3KVConfig, identity: ModelIdentity
+    ) -> tuple[KVStore, RelayedManifest]:
+        """A rank > 0's store under TP: no manifest, its writes relayed to rank 0's.
+
+        Opened once per process and fingerprint. The caller attaches the returned
+        :class:`~s3kv.connector.relay.RelayedManifest` once the metadata names the relay.
+        """
+        fingerprint = identity.fingerprint()
         with self.lock:
-            stores, self.stores = list(self.stores.values()), {}
+            store, relayed = self.stores.get(fingerprint), self.relayed.get(fingerprint)
+            if store is None or relayed is None:
+                new = RelayedManifest(identity.tp_rank)
+                # NOTE: this rank reads no manifest (nor usage: warm start runs on rank 0) and
+                # cannot name the layout before the all-gather, so the store keeps its own.
+                source = ManifestSource(fingerprint, lambda _: new)
+                store = KVStore.open(config, identity, manifest=source)
+                self.stores[fingerprint], self.relayed[fingerprint] = store, new
+                relayed = new
+            return store, relayed
+
+    def open_layout(
+        self,
+        config: S3KVConfig,
+        identities: Sequence[ModelIdentity],
+        allocators: Sequence[HostAllocator | None],
+    ) -> OpenLayout:
+        """One store per shard of a TP layout, sharing one manifest; opened once per process.
+
+        The manifest lives under the layout fingerprint and advertises a block once every
+        shard reported its write: rank 0's shard directly, the others through the write
+        relay, which a background pump drains (closed first by :meth:`close_all`).
+
+        Raises:
+            KeyDerivationError: the identities are not the shards of one layout, in rank order.
+            S3KVError: as :meth:`KVStore.open <s3kv.store.KVStore.open>`.
+        """
+        layout = layout_fingerprint(identities)
+        with self.lock:
+            opened = self.layouts.get(layout)
+            if opened is None:
+                opened = self._open_layout(config, list(identities), list(allocators), layout)
+                self.layouts[layout] = opened
+            return opened
+
+    def _open_layout(
+        self,
+        config: S3KVConfig,
+        identities: list[ModelIdentity],
+        allocators: list[HostAllocator | None],
+        layout: str,
+    ) -> OpenLayout:
+        """Caller holds ``self.lock``."""
+        shared: list[ShardedPresence] = []
+
+        def open_shared(backend: Backend) -> ShardView:
+            _describe_layout(backend, config.key_prefix, layout, identities)
+            presence = ShardedPresence(open_manifest(backend, config, layout), len(identities))
+            shared.append(presence)
+            return presence.view(0)
+
+        relay = WriteRelay.create(len(identities))
+        stores: list[KVStore] = []
+        try:
+            for identity, allocator in zip(identities, allocators, strict=True):
+                # NOTE: rank 0 comes first: its store opens the manifest, the others view it.
+                opener = (
+                    functools.partial(_view_of, shared[0], identity.tp_rank)
+                    if shared
+                    else open_shared
+                )
+                source = ManifestSource(layout, opener)
+                stores.append(KVStore.open(config, identity, allocator=allocator, manifest=source))
+        except BaseException:
+            for store in stores:
+                store.close()
+            relay.close()
+            raise
+        presence = shared[0]
+        presence.start(
+            refresh_interval=config.manifest_refresh_interval,
+            flush_interval=config.manifest_flush_interval,
+            flush_keys=config.manifest_flush_keys,
+        )
+        pump = RelayPump(relay, presence.record_write, min(0.25, config.manifest_flush_interval))
+        pump.start()
+        self.pumps.append((pump, config.close_timeout))
+        for identity, store in zip(identities, stores, strict=True):
+            self.stores[f"{identity.fingerprint()}@{layout}"] = store
+        return OpenLayout(stores, relay.path)
+
+    def close_all(self) -> None:
+        """Drain and close every store (at exit).
+
+        Order: the stores whose writes are relayed to another process first (their rings
+        finish), then the relay pumps (rank 0 waits, bounded, for the other ranks' last
+        reports), then the rest, so a shared manifest's last flush advertises every write.
+        """
+        with self.lock:
+            stores, self.stores = dict(self.stores), {}
+            relayed, self.relayed = set(self.relayed), {}
+            pumps, self.pumps = self.pumps, []
+            self.layouts = {}
             self.scheduler = None
-        for store in stores:
+        for name in relayed:
+            store = stores.pop(name, None)
+            if store is not None:
+                store.close()
+        for pump, timeout in pumps:
+            pump.close(timeout)
+        for store in stores.values():
             store.close()
 
 
@@ -99,10 +257,14 @@ class ShardStores:
     Args:
         stores: The stores, in rank order.
         arenas: Their staging arenas, in rank order (tensor parallel), or none.
+        relay: Path of the write relay the other ranks report to (tensor parallel), or ''.
     """
 
-    def __init__(self, stores: Sequence[KVStore], arenas: Sequence[SlabArena] = ()) -> None:
+    def __init__(
+        self, stores: Sequence[KVStore], arenas: Sequence[SlabArena] = (), relay: str = ""
+    ) -> None:
         self.stores = list(stores)
+        self.relay = relay
         self._arenas = list(arenas)
 
     @property
@@ -174,13 +336,16 @@ class ShardStores:
         return all(store.is_staged(key) for store in self.stores)
 
     def record_hits(self, keys: Sequence[BlockHash]) -> None:
-        """Usage records for prune and warm start."""
+        """Usage records for prune and warm start (a shared manifest counts them once)."""
         if keys:
             for store in self.stores:
                 store.record_hits(keys)
 
     def may_contain(self, key: BlockHash) -> bool:
-        """Whether every shard's manifest says ``key`` may exist (then saving is skipped)."""
+        """Whether ``key`` may exist on every shard (then saving is skipped).
+
+        Under TP the shards' manifests are views of one: true once every shard is written.
+        """
         return all(store.may_contain(key) for store in self.stores)
 
     def close_arenas(self) -> None:
@@ -190,6 +355,7 @@ class ShardStores:
 
 
 __all__ = [
+    "OpenLayout",
     "ProcessState",
     "ShardInfo",
     "ShardStores",

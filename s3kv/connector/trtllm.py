@@ -137,13 +137,9 @@ class S3KVConnectorScheduler(SchedulerBase):  # type: ignore[misc]
             share = self.config.staging_bytes // len(shards)
             config = self.config.replace(staging_bytes=share)
             arenas = [SlabArena.create(s.block_nbytes, share, tag=f"r{s.rank}-") for s in shards]
-            stores = ShardStores(
-                [
-                    state.open_store(config, identity, allocator=arena)
-                    for identity, arena in zip(identities, arenas, strict=True)
-                ],
-                arenas,
-            )
+            # NOTE: one manifest for the layout, not one per shard (s3kv.manifest.shards).
+            layout = state.open_layout(config, identities, arenas)
+            stores = ShardStores(layout.stores, arenas, relay=layout.relay)
             board = CompletionBoard.shared(len(shards))
         manager = "v2" if (identities[0].layout or "").startswith("trtllm-v2/") else "v1"
         core.attach(stores, board=board, manager=manager)
@@ -299,8 +295,9 @@ class S3KVConnectorWorker(WorkerBase):  # type: ignore[misc]
         """This rank's shard identity, store and core (no collectives).
 
         Rank 0 opens nothing here: its scheduler opens every shard's store after the
-        all-gather (under tensor parallelism backed by the shared staging arenas), and rank
-        0's worker then uses shard 0's store from there.
+        all-gather (under tensor parallelism backed by the shared staging arenas and one
+        manifest for the layout), and rank 0's worker then uses shard 0's store from there.
+        The other ranks' stores open no manifest: their writes are relayed to rank 0's.
         """
         if problem:
             self.off_reason = problem
@@ -308,11 +305,17 @@ class S3KVConnectorWorker(WorkerBase):  # type: ignore[misc]
         self._kv = kv
         if info.identity is None or self.config is None or self.rank == 0:
             return info
+        relayed = None
         try:
-            store = process_state().open_store(self.config, info.identity)
+            if info.identity.tp_size > 1:
+                store, relayed = process_state().open_relayed_store(self.config, info.identity)
+            else:
+                store = process_state().open_store(self.config, info.identity)
         except S3KVError as exc:  # missing bucket, denied credentials: one line, named
             return ShardInfo(self.rank, None, str(exc), info.block_nbytes, info.host)
-        self._pending_core = WorkerCore(self.rank, store, kv, self.config.max_inflight_save_bytes)
+        self._pending_core = WorkerCore(
+            self.rank, store, kv, self.config.max_inflight_save_bytes, relay=relayed
+        )
         return info
 
     def _start(self, shards: list[ShardInfo]) -> None:

@@ -38,6 +38,7 @@ from s3kv.connector.device import (
     copy_engine,
 )
 from s3kv.connector.metadata import ConnectorMetadata, LoadOp, SaveOp
+from s3kv.connector.relay import RelayedManifest
 from s3kv.keys import BlockHash
 from s3kv.store import KVStore
 
@@ -101,6 +102,8 @@ class WorkerCore:
         max_inflight_bytes: Bound on host buffers of pending saves.
         board: Where this rank publishes completed loads (single process: the scheduler's
             board; tensor parallel: attached from the metadata when ``None``).
+        relay: A rank > 0's relayed manifest under tensor parallelism: attached to rank 0's
+            write relay the first time the metadata names it, before any save.
     """
 
     def __init__(
@@ -110,8 +113,10 @@ class WorkerCore:
         kv_cache: Any,
         max_inflight_bytes: int,
         board: CompletionBoard | None = None,
+        relay: RelayedManifest | None = None,
     ) -> None:
         self.rank = rank
+        self.relay = relay
         self.store = store
         self.kv_cache = kv_cache
         self.cuda = bool(kv_cache.is_cuda)
@@ -227,6 +232,8 @@ class WorkerCore:
 
     def save_after_forward(self, metadata: ConnectorMetadata, stream: Any = None) -> None:
         """Start device→host copies of this iteration's full blocks; never waits on them."""
+        if self.relay is not None and metadata.relay:
+            self.relay.attach(metadata.relay)  # idempotent; before any save reaches the store
         self.poll_loads()
         self._drain(block=False)
         if not metadata.saves:

@@ -44,6 +44,7 @@ from s3kv.manifest.io import ManifestIO, SegmentWriter
 from s3kv.manifest.live import Manifest
 from s3kv.manifest.loading import load_usage
 from s3kv.manifest.log import DeltaRef, LogEntry, ManifestLog, SnapshotRef
+from s3kv.manifest.shards import ShardedPresence, ShardView
 from s3kv.manifest.usage import UsageRow, UsageTable
 from s3kv.manifest.xorfilter import XorFilter
 
@@ -68,6 +69,8 @@ __all__ = [
     "ManifestLog",
     "Records",
     "SegmentWriter",
+    "ShardView",
+    "ShardedPresence",
     "SnapshotRef",
     "UsageRow",
     "UsageTable",

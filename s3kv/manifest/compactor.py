@@ -156,6 +156,7 @@ class Compactor:
         instance_id: This instance's id (the ``holder`` of the entries it publishes).
         policy: Cycle, lease and snapshot policy.
         clock: Epoch seconds.
+        monotonic: Seconds for intervals (heartbeat, sweep); injectable for simulations.
         legacy_usage: Reads a format-1 usage table for migration (``None``: none).
     """
 
@@ -166,6 +167,7 @@ class Compactor:
         policy: CompactionPolicy,
         *,
         clock: Callable[[], float] = time.time,
+        monotonic: Callable[[], float] = time.monotonic,
         legacy_usage: Callable[[], Records | None] | None = None,
     ) -> None:
         self.io = io
@@ -173,6 +175,7 @@ class Compactor:
         self.instance_id = instance_id
         self.policy = policy
         self._clock = clock
+        self._monotonic = monotonic
         self._legacy_usage = legacy_usage
         self.token = secrets.token_hex(4)
         self.fp_bits = XorFilter.fp_bits_for(policy.fpr)
@@ -190,11 +193,14 @@ class Compactor:
         return entry is not None and entry.holder == self.instance_id and entry.token == self.token
 
     def take_over(self, entry: LogEntry | None, *, lease_s: float | None = None) -> LogEntry | None:
-        """Create the entry after ``entry`` naming this instance; ``None`` if another won.
+        """Create the entry after ``entry`` naming this instance; ``None`` if another won
+        (or the log has already moved past ``entry``).
 
         The new term starts with the previous holder's undeleted segments (``folded``),
         which it deletes before folding anything, so nothing is folded twice.
         """
+        if entry is not None and self._superseded_by_newer(entry):
+            return None
         self.token = secrets.token_hex(4)
         self._delta_cache.clear()
         lease = self.policy.lease_s if lease_s is None else lease_s
@@ -212,12 +218,30 @@ class Compactor:
         if not self.log.append(taken):
             return None
         self._pending = set(taken.folded)
-        self._last_publish = time.monotonic()
+        self._last_publish = self._monotonic()
         self._last_sweep = 0.0
         logger.info(
             "s3kv manifest: %s holds the compaction lease (v%d)", self.instance_id, taken.version
         )
         return taken
+
+    def _superseded_by_newer(self, entry: LogEntry) -> bool:
+        """Whether the log has moved past ``entry`` (one GET of the ``LATEST`` hint).
+
+        The conditional create of ``V + 1`` fences only while ``V + 1`` exists; entries are
+        swept after ``keep_versions``, so a holder (or candidate) woken from a pause longer
+        than that could otherwise re-create a swept version and fork the log. The hint lags
+        the newest entry by at most one version, far less than the swept window.
+        """
+        newer = self.log.hint() > entry.version
+        if newer:
+            self._pending.clear()
+            logger.warning(
+                "s3kv manifest: %s is behind the log (v%d); not publishing",
+                self.instance_id,
+                entry.version,
+            )
+        return newer
 
     def release(self, entry: LogEntry) -> bool:
         """Publish an entry with no holder, so another instance takes over at once."""
@@ -246,6 +270,8 @@ class Compactor:
         cannot be read is replaced by it.
         """
         start_requests = self.io.requests
+        if self._superseded_by_newer(entry):
+            return CycleReport(None, 0, 0, 0, "fenced", self.io.requests - start_requests, 0)
         self._delete_pending()
         names = self._unfolded_segments()
         batches = parallel(self._read_segment, names)
@@ -284,7 +310,7 @@ class Compactor:
                 deltas = (self._write_delta(f"{version:020d}-{self.token}-m", old, merged=True),)
             fresh = self._write_delta(f"{version:020d}-{self.token}", new, merged=False)
             deltas, action = (*deltas, fresh), "merge" if merge else "delta"
-        elif time.monotonic() - self._last_publish < self.policy.lease_s / 3 and not names:
+        elif self._monotonic() - self._last_publish < self.policy.lease_s / 3 and not names:
             return CycleReport(entry, 0, 0, 0, "idle", self.io.requests - start_requests, 0)
         else:
             action = "heartbeat"
@@ -306,7 +332,7 @@ class Compactor:
             )
             self._pending.clear()
             return CycleReport(None, 0, 0, 0, "fenced", self.io.requests - start_requests, 0)
-        self._last_publish = time.monotonic()
+        self._last_publish = self._monotonic()
         self._after_publish(entry, nxt)
         return CycleReport(
             nxt,
@@ -408,8 +434,8 @@ class Compactor:
         due = [paths for when, paths in self._superseded if when <= now]
         self._superseded = [(w, p) for w, p in self._superseded if w > now]
         self._delete([path for paths in due for path in paths])
-        if time.monotonic() - self._last_sweep >= _SWEEP_EVERY or not self._last_sweep:
-            self._last_sweep = time.monotonic()
+        if self._monotonic() - self._last_sweep >= _SWEEP_EVERY or not self._last_sweep:
+            self._last_sweep = self._monotonic()
             self.sweep(published)
 
     def _delete_pending(self) -> None:

@@ -35,6 +35,7 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Final
 
 from s3kv._logonce import LogOnce
@@ -122,6 +123,7 @@ class Manifest:
         grace_s: float = 600.0,
         compaction: CompactionPolicy | None = None,
         hit_interval: float = 600.0,
+        monotonic: Callable[[], float] = time.monotonic,
     ) -> None:
         instance = instance_id or secrets.token_hex(4)
         if not valid_instance_id(instance):
@@ -134,10 +136,11 @@ class Manifest:
         self._writer = SegmentWriter(self._io, instance, clock)
         self._capacity, self._fpr = capacity, fpr
         self._clock = clock
+        self._monotonic = monotonic
         self._hit_interval = hit_interval
         self._filter = KeyFilter(fpr, growth_capacity=capacity)
         self._entry: LogEntry | None = None
-        self._entry_seen_at = time.monotonic()
+        self._entry_seen_at = self._monotonic()
         self._loaded_deltas: set[str] = set()
         self._no_log = False  # the log was read and is empty (not merely unreadable)
         self._seen: set[str] = set()  # format-1 mode: segment names read
@@ -145,7 +148,12 @@ class Manifest:
         if compaction is not None:
             policy = CompactionPolicy(**{**vars(compaction), "fpr": fpr, "grace_s": grace_s})
             self._compactor = Compactor(
-                self._io, instance, policy, clock=clock, legacy_usage=lambda: legacy_usage(self._io)
+                self._io,
+                instance,
+                policy,
+                clock=clock,
+                monotonic=monotonic,
+                legacy_usage=lambda: legacy_usage(self._io),
             )
         self._jitter = random.uniform(0.0, 0.25)  # NOTE: spreads simultaneous takeovers
         self._lock = threading.Lock()  # pending records, counters
@@ -178,6 +186,7 @@ class Manifest:
         compaction: CompactionPolicy | None = None,
         hit_interval: float = 600.0,
         open_timeout: float | None = None,
+        monotonic: Callable[[], float] = time.monotonic,
     ) -> Manifest:
         """Load the manifest (see the module docstring for the requests), within a bound.
 
@@ -198,6 +207,7 @@ class Manifest:
             compaction: Take part in compactor election (``None``: never compact).
             hit_interval: Hits alone are flushed at most this often (seconds).
             open_timeout: Longest :meth:`open` waits for the load.
+            monotonic: Seconds for intervals (lease expiry); injectable for simulations.
 
         Raises:
             ConfigError: invalid ``instance_id`` or ``grace_s``.
@@ -213,6 +223,7 @@ class Manifest:
             grace_s=grace_s,
             compaction=compaction,
             hit_interval=hit_interval,
+            monotonic=monotonic,
         )
         if open_timeout is None:
             manifest._first_load()
@@ -412,7 +423,14 @@ class Manifest:
         for _ in range(_CATCH_UP):
             nxt = self._read_entry(lambda: self._log.read(self.version + 1))
             if nxt is None:
-                return added
+                if self._monotonic() - self._entry_seen_at < entry.lease_s / 2:
+                    return added
+                # NOTE: a live compactor publishes every lease/3: this long without news, the
+                # next entry may have been swept while this instance was paused. The hint
+                # (one GET) tells a stale reader from a quiet log.
+                if self._log.hint() <= self.version + 1:
+                    return added
+                break
             added += self._apply(nxt)
         latest = self._read_entry(self._log.latest)  # far behind: jump to the newest
         return added + (self._apply(latest) if latest is not None else 0)
@@ -456,22 +474,31 @@ class Manifest:
         return added
 
     def _reload(self, entry: LogEntry) -> int:
-        """Build a filter from ``entry``'s snapshot and deltas, then swap it in."""
+        """Build a filter from ``entry``'s snapshot and deltas, then swap it in.
+
+        The shard filters and the deltas are fetched in one parallel round.
+        """
         snapshot = entry.snapshot
-        if snapshot is None:
+        paths = [d.path for d in entry.deltas]
+        with ThreadPoolExecutor(2, thread_name_prefix="s3kv-manifest-load") as pool:
+            shards = pool.submit(read_filters, self._io, snapshot) if snapshot else None
+            deltas = pool.submit(self._fetch_deltas, paths)
+            loaded = shards.result() if shards is not None else None
+            batches = deltas.result()
+        if snapshot is None or loaded is None:
             built = KeyFilter(self._fpr, growth_capacity=self._capacity)
         else:
-            shards, rebuilt = read_filters(self._io, snapshot)
+            filters, rebuilt = loaded
             if rebuilt:
                 with self._lock:
                     self._counters["snapshots_corrupt"] += rebuilt
             built = KeyFilter(
                 self._fpr,
-                shards,
+                filters,
                 snapshot.shard_bits,
                 growth_capacity=max(self._capacity, snapshot.keys // 8),
             )
-        added = self._load_deltas(built, [d.path for d in entry.deltas])
+        added = self._add_deltas(built, batches)
         with self._lock:
             built.carry(self._filter)
             # NOTE: writes recorded meanwhile are pending or in flight: keep them.
@@ -480,10 +507,15 @@ class Manifest:
                 built.add_many(writes)
             self._filter = built
             self._counters["reloads"] += 1
-        self._set_entry(entry, {d.path for d in entry.deltas})
+        self._set_entry(entry, set(paths))
         return added + (snapshot.keys if snapshot else 0)
 
     def _load_deltas(self, into: KeyFilter, paths: list[str]) -> int:
+        return self._add_deltas(into, self._fetch_deltas(paths))
+
+    def _fetch_deltas(self, paths: list[str]) -> list[Records | None]:
+        """Delta records, fetched in parallel (``None``: gone or corrupt, counted)."""
+
         def one(path: str) -> Records | None:
             try:
                 return read_delta(self._io, path)
@@ -495,20 +527,24 @@ class Manifest:
                 )
                 return None
 
+        batches = parallel(one, paths)
+        with self._lock:
+            self._counters["deltas_read"] += len(paths)
+        return batches
+
+    def _add_deltas(self, into: KeyFilter, batches: list[Records | None]) -> int:
         added = 0
-        for records in parallel(one, paths):
+        for records in batches:
             if records is not None:
                 keys = delta_write_keys(records)
                 into.add_array(keys)
                 added += len(keys)
-        with self._lock:
-            self._counters["deltas_read"] += len(paths)
         return added
 
     def _set_entry(self, entry: LogEntry, deltas: set[str]) -> None:
         with self._lock:
             self._entry = entry
-            self._entry_seen_at = time.monotonic()
+            self._entry_seen_at = self._monotonic()
             self._loaded_deltas = deltas
             self._seen.clear()
 
@@ -585,7 +621,7 @@ class Manifest:
             return self._no_log  # no log yet: the first instance starts it (and migrates)
         if entry.holder == "":
             return True
-        waited = time.monotonic() - self._entry_seen_at
+        waited = self._monotonic() - self._entry_seen_at
         return waited > entry.lease_s * (1.0 + self._jitter)
 
     # --- background threads ---------------------------------------------------------------

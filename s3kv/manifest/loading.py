@@ -18,7 +18,7 @@ from s3kv.manifest.format import USAGE_DTYPE, Records
 from s3kv.manifest.io import ManifestIO, read_segments
 from s3kv.manifest.log import ManifestLog
 from s3kv.manifest.snapshot import parallel, read_delta, usage_shards
-from s3kv.manifest.usage import UsageTable, fold
+from s3kv.manifest.usage import UsageTable, fold, fold_sorted
 from s3kv.storage import Backend
 
 __all__ = ["hottest", "load_usage"]
@@ -67,7 +67,7 @@ def load_usage(
         parts: list[Records] = []
         best = np.zeros(0, USAGE_DTYPE)
         for index, base_rows in usage_shards(io, snapshot):
-            folded = fold(base_rows, records[shard == index])
+            folded = fold_sorted(base_rows, records[shard == index])
             if top is None:
                 parts.append(folded)
             else:

@@ -33,7 +33,7 @@ from s3kv.manifest.format import (
 )
 from s3kv.manifest.io import ManifestIO
 from s3kv.manifest.log import SnapshotRef
-from s3kv.manifest.usage import fold, remove_keys
+from s3kv.manifest.usage import fold, fold_sorted, remove_keys
 from s3kv.manifest.xorfilter import XorFilter
 
 __all__ = [
@@ -246,7 +246,11 @@ def write_snapshot(
         part_listing: Sequence[tuple[bytes, int, float]] = ()
         if listing_shard is not None:
             part_listing = [listing[int(i)] for i in np.flatnonzero(listing_shard == shard)]
-        live = fold(rows, records[bounds[shard] : bounds[shard + 1]], listing=part_listing)
+        part = records[bounds[shard] : bounds[shard + 1]]
+        if part_listing or base_rows is not None:
+            live = fold(rows, part, listing=part_listing)
+        else:
+            live = fold_sorted(rows, part)  # base shards are sorted: fold only touched keys
         folded = remove_keys(live, drop)
         dropped += len(live) - len(folded)
         usage_blob = encode_usage(folded)

@@ -37,7 +37,7 @@ from s3kv.manifest.format import (
     Records,
 )
 
-__all__ = ["UsageRow", "UsageTable", "fold", "remove_keys"]
+__all__ = ["UsageRow", "UsageTable", "fold", "fold_sorted", "remove_keys"]
 
 _MAX_HITS: Final = 2**32 - 1
 _NO_ROW: Final = -1
@@ -157,6 +157,23 @@ def fold(
     out["pinned"] = np.where(pin_at >= 0, events["pin"][pin_at], 0)
     out = out[np.maximum.reduceat(events["live"], starts)]
     return remove_keys(out, drop) if drop else out
+
+
+def fold_sorted(rows: Records, records: Records) -> Records:
+    """:func:`fold` for a usage table already sorted by key, touching only changed keys.
+
+    Rows no record names pass through untouched (no copy when nothing changed), so folding a
+    snapshot shard costs memory for the keys the records name, not for the whole shard.
+    """
+    if not len(records):
+        return rows
+    names = np.unique(records["key"])
+    touched = np.zeros(len(rows), np.bool_)
+    touched[_matching_slots(rows["key"], names)] = True
+    merged = np.concatenate([rows[~touched], fold(rows[touched], records)])
+    hi, lo = _halves(merged["key"])
+    ordered: Records = merged[np.lexsort((lo, hi))]
+    return ordered
 
 
 def remove_keys(rows: Records, keys: Collection[bytes]) -> Records:
