@@ -117,6 +117,7 @@ def _prune_json(report: PruneReport) -> dict[str, Any]:
     for fp in plan.fingerprints:
         entry: dict[str, Any] = {
             "fingerprint": fp.fingerprint,
+            "manifest_fingerprint": fp.manifest_fingerprint,
             "model": fp.model,
             "planned": _tally(fp.to_delete),
             "forget_manifest_keys": len(fp.forget),
@@ -134,6 +135,7 @@ def _prune_json(report: PruneReport) -> dict[str, Any]:
                 not_attempted=_tally(o.not_attempted),
                 failures=[list(f) for f in o.failures],
                 manifest={
+                    "fingerprint": o.manifest_fingerprint,
                     "generation": o.manifest_generation,
                     "keys_dropped": o.manifest_keys_dropped,
                     "error": o.manifest_error,
@@ -183,11 +185,14 @@ def _render_prune(con: Console, report: PruneReport) -> None:
         f"kept {plan.kept.objects} ({human_bytes(plan.kept.bytes)}), "
         f"failed {report.failed.objects} ({human_bytes(report.failed.bytes)})"
     )
+    errors: dict[str, str] = {}  # NOTE: the shards of a layout share one manifest
     for o in report.outcomes:
         for key, reason in o.failures:
             con.print(f"  failed: {key}: {reason}", markup=False)
         if o.manifest_error:
-            con.print(f"  manifest {o.fingerprint}: {o.manifest_error}", markup=False)
+            errors.setdefault(o.manifest_fingerprint, o.manifest_error)
+    for manifest, error in errors.items():
+        con.print(f"  manifest {manifest}: {error}", markup=False)
     if report.interrupted:
         con.print(f"stopped early: {report.interrupted}", markup=False)
 
@@ -293,9 +298,10 @@ def _render_stats(con: Console, report: StatsReport) -> None:
             *(str(fp.last_use[x]) for x in labels),
         )
     con.print(hist)
-    for fp in report.fingerprints:
-        if fp.manifest_error:
-            con.print(f"manifest {fp.fingerprint}: {fp.manifest_error}", markup=False)
+    errors = {fp.manifest_fingerprint: fp.manifest_error for fp in report.fingerprints}
+    for manifest, error in errors.items():
+        if error:
+            con.print(f"manifest {manifest}: {error}", markup=False)
     sources = ", ".join(sorted({fp.raw_source for fp in report.fingerprints})) or "-"
     con.print(
         f"raw bytes: {sources}; prices: {report.prices.name}; "
@@ -416,7 +422,11 @@ def compact(
         bool, typer.Option("--full", help="Also fold in a listing of every block object.")
     ] = False,
 ) -> None:
-    """Rebuild each manifest snapshot from its segments (and a listing with --full)."""
+    """Rebuild each manifest snapshot from its segments (and a listing with --full).
+
+    A tensor-parallel shard's manifest is its layout's: compacted once, and with --full
+    rebuilt from the keys every shard holds.
+    """
     with common.session(write=True) as s, s.out.progress() as progress:
         report = compact_scope(
             s.backend,

@@ -12,6 +12,12 @@ a pin on a key never written would be dropped at the next compaction. Keys whose
 exists but that the manifest does not know (a lost segment) are recorded as written first.
 Prune keeps the ancestors of pinned blocks too, so pinning a chain's last block keeps the
 whole prefix loadable.
+
+Pins live in the manifest that describes the blocks
+(:attr:`~s3kv.ops.scope.Fingerprint.manifest_fingerprint`): a TP shard's and its layout's
+are the layout's manifest, which engines read. A manifest shared by several fingerprints in
+scope is acted on (and listed) once. Under TP a key the manifest does not know is adopted
+only if every shard holds its object (one HEAD per shard), with the largest shard's size.
 """
 
 from __future__ import annotations
@@ -143,10 +149,10 @@ def keys_from_text(
 
 @dataclass(frozen=True)
 class PinOutcome:
-    """What :func:`set_pins` did in one fingerprint.
+    """What :func:`set_pins` did in one manifest.
 
     Attributes:
-        fingerprint: The fingerprint.
+        fingerprint: The manifest's fingerprint (a TP layout's, for its shards).
         requested: Targets asked for.
         changed: Pin (or unpin) records written.
         unchanged: Targets already in the requested state.
@@ -168,7 +174,7 @@ class PinReport:
 
     Attributes:
         pin: ``True`` for pin, ``False`` for unpin.
-        outcomes: One per fingerprint.
+        outcomes: One per manifest.
     """
 
     pin: bool
@@ -189,12 +195,14 @@ def set_pins(
     pin: bool = True,
     clock: Callable[[], float] = time.time,
 ) -> PinReport:
-    """Pin (or unpin) the targets in each fingerprint of ``scope``: one segment per change.
+    """Pin (or unpin) the targets in the manifest of each fingerprint of ``scope`` (once
+    each): one segment per manifest that changes.
 
     Args:
         backend: The bucket.
         scope: Fingerprints to act in.
-        targets_for: The targets of a fingerprint (text keys depend on its block size).
+        targets_for: The targets of a fingerprint (text keys depend on its block size);
+            asked once per manifest, of the first fingerprint in scope that uses it.
         prefix: The configured key prefix.
         pin: Pin, or unpin.
         clock: Epoch seconds for the records.
@@ -204,8 +212,18 @@ def set_pins(
         StorageError: the bucket failed (no segment was written for that fingerprint).
         ConfigError: ``targets_for`` refused a fingerprint (for example no block size).
     """
-    outcomes = [_set_one(backend, prefix, fp, targets_for(fp), pin, clock) for fp in scope]
+    outcomes = [
+        _set_one(backend, prefix, fp, targets_for(fp), pin, clock) for fp in _by_manifest(scope)
+    ]
     return PinReport(pin=pin, outcomes=tuple(outcomes))
+
+
+def _by_manifest(scope: Sequence[Fingerprint]) -> list[Fingerprint]:
+    """The first fingerprint of ``scope`` using each manifest, in order."""
+    first: dict[str, Fingerprint] = {}
+    for fp in scope:
+        first.setdefault(fp.manifest_fingerprint, fp)
+    return list(first.values())
 
 
 def _set_one(
@@ -216,19 +234,20 @@ def _set_one(
     pin: bool,
     clock: Callable[[], float],
 ) -> PinOutcome:
-    usage = _usage(backend, prefix, fp.fingerprint)
+    manifest = fp.manifest_fingerprint
+    usage = _usage(backend, prefix, manifest)
     now = clock()
     rows: list[tuple[bytes, bytes, float, int, int, int]] = []
     unchanged = adopted = missing = 0
     for target in dict.fromkeys(targets):  # NOTE: de-duplicated, order kept
         row = usage.row(target.key)
         if row is None and pin:
-            info = backend.head(block_object_key(prefix, fp.fingerprint, target.key))
-            if info is None:
+            size = _stored_size(backend, prefix, fp.manifest_shards, target.key)
+            if size is None:
                 missing += 1
                 continue
             parent = bytes(target.parent) if target.parent is not None else UNKNOWN_PARENT
-            rows.append((bytes(target.key), parent, now, info.size, KIND_WRITE, 1))
+            rows.append((bytes(target.key), parent, now, size, KIND_WRITE, 1))
             adopted += 1
         elif row is None:
             missing += 1
@@ -238,9 +257,22 @@ def _set_one(
             continue
         rows.append((bytes(target.key), UNKNOWN_PARENT, now, 0, KIND_PIN if pin else KIND_UNPIN, 1))
     if rows:
-        _write_segment(backend, prefix, fp.fingerprint, rows, now)
+        _write_segment(backend, prefix, manifest, rows, now)
     changed = sum(1 for r in rows if r[4] != KIND_WRITE)
-    return PinOutcome(fp.fingerprint, len(targets), changed, unchanged, adopted, missing)
+    return PinOutcome(manifest, len(targets), changed, unchanged, adopted, missing)
+
+
+def _stored_size(
+    backend: Backend, prefix: str, shards: Sequence[str], key: BlockHash
+) -> int | None:
+    """The largest stored size of ``key``'s objects, if every one of ``shards`` holds one."""
+    size = 0
+    for shard in shards:
+        info = backend.head(block_object_key(prefix, shard, key))
+        if info is None:
+            return None
+        size = max(size, info.size)
+    return size
 
 
 def _usage(backend: Backend, prefix: str, fingerprint: str) -> UsageTable:
@@ -271,8 +303,8 @@ class PinnedBlock:
     """One pinned block, as the manifest records it.
 
     Attributes:
-        fingerprint: Its fingerprint.
-        model: The fingerprint's ``model_id``, if known.
+        fingerprint: Its manifest's fingerprint (a TP layout's, for its shards).
+        model: The ``model_id`` of the fingerprint in scope using that manifest, if known.
         key: Block key, hex.
         parent: Parent key, hex (``None`` if unknown; all zeros for a first block).
         size: Stored bytes.
@@ -290,19 +322,19 @@ class PinnedBlock:
 
 
 def list_pins(backend: Backend, scope: Sequence[Fingerprint], *, prefix: str) -> list[PinnedBlock]:
-    """Every pinned block of ``scope``, by fingerprint then key.
+    """Every pinned block of ``scope``, by manifest then key (each manifest once).
 
     Raises:
         CodecError: a manifest snapshot is unreadable.
         StorageError: the bucket failed.
     """
     found: list[PinnedBlock] = []
-    for fp in scope:
-        rows = _usage(backend, prefix, fp.fingerprint).rows
+    for fp in _by_manifest(scope):
+        rows = _usage(backend, prefix, fp.manifest_fingerprint).rows
         for row in rows[rows["pinned"] != 0]:
             parent = bytes(row["parent"])
             pinned = PinnedBlock(
-                fingerprint=fp.fingerprint,
+                fingerprint=fp.manifest_fingerprint,
                 model=fp.model,
                 key=bytes(row["key"]).hex(),
                 parent=None if parent == UNKNOWN_PARENT else parent.hex(),

@@ -9,6 +9,17 @@ not a fingerprint and is never touched.
 Scope flags: ``--fingerprint`` names fingerprints exactly; ``--model`` matches the
 ``model_id`` of each fingerprint's ``identity.json`` (shell-style wildcards allowed). Both
 narrow the scope; without either, every fingerprint under the prefix is in scope.
+
+Tensor parallelism: the shards of a TP=N layout keep their blocks under their own *shard*
+fingerprints but share one manifest, under the *layout* fingerprint
+(:func:`~s3kv.keys.layout_fingerprint`). The layout's directory holds that manifest and an
+``identity.json`` naming the shards (``"shard_fingerprints"``, rank order), and no blocks.
+:func:`resolve_scope` works out, from the identities it reads anyway, where each
+fingerprint's manifest is (:attr:`Fingerprint.manifest_fingerprint`) and which fingerprints
+are layouts (:attr:`Fingerprint.shards`). A shard whose layout's ``identity.json`` is missing
+(its write is best effort) is matched to its layout by recomputing the layout fingerprint
+from the shards' identities, when that directory exists. With TP=1 the layout fingerprint
+is the shard's own, and nothing differs.
 """
 
 from __future__ import annotations
@@ -21,11 +32,13 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from s3kv.errors import ConfigError
+from s3kv.errors import ConfigError, KeyDerivationError
 from s3kv.keys import (
     BlockHash,
+    ModelIdentity,
     fingerprint_prefix,
     identity_object_key,
+    layout_fingerprint,
     parse_block_object_key,
 )
 from s3kv.storage import Backend
@@ -49,13 +62,43 @@ _FINGERPRINT_RE = re.compile(r"^[0-9a-f]{32}$")
 class Fingerprint:
     """One model fingerprint in the bucket.
 
+    Three kinds (see the module docstring): a *plain* fingerprint (TP=1, or one no layout
+    names) holds blocks and its own manifest; a TP *shard* holds blocks whose manifest is its
+    layout's; a TP *layout* holds the shared manifest and no blocks.
+
     Attributes:
         fingerprint: The 32-hex-digit namespace.
         identity: The parsed ``identity.json`` (``None`` if absent or unreadable).
+        manifest_fingerprint: Where the manifest describing this fingerprint's blocks lives:
+            the layout's fingerprint for a shard, its own otherwise (the default).
+        shards: For a layout, its shard fingerprints in rank order; ``()`` otherwise.
+        manifest_shards: The fingerprints holding the blocks that manifest describes, in
+            rank order: the layout's shards for a layout or a shard; ``(fingerprint,)`` for
+            a plain fingerprint (the default).
     """
 
     fingerprint: str
     identity: Mapping[str, Any] | None = None
+    manifest_fingerprint: str = ""
+    shards: tuple[str, ...] = ()
+    manifest_shards: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        if not self.manifest_fingerprint:
+            object.__setattr__(self, "manifest_fingerprint", self.fingerprint)
+        if not self.manifest_shards:
+            own = self.shards or (self.fingerprint,)
+            object.__setattr__(self, "manifest_shards", own)
+
+    @property
+    def is_layout(self) -> bool:
+        """A TP layout: it holds the shared manifest of :attr:`shards`, and no blocks."""
+        return bool(self.shards)
+
+    @property
+    def is_shard(self) -> bool:
+        """A TP shard: its blocks' manifest is its layout's (:attr:`manifest_fingerprint`)."""
+        return self.manifest_fingerprint != self.fingerprint
 
     @property
     def model(self) -> str | None:
@@ -156,7 +199,12 @@ def resolve_scope(
     fingerprints: Sequence[str] = (),
     model: str | None = None,
 ) -> list[Fingerprint]:
-    """The fingerprints a command acts on, with their identities.
+    """The fingerprints a command acts on, with their identities and manifests.
+
+    One listing and one ``identity.json`` GET per fingerprint in scope; when
+    ``fingerprints`` narrows the scope to a TP shard (or to an identity that cannot be read),
+    the identities of the other fingerprints under the prefix are read too, to find its
+    layout (:attr:`Fingerprint.manifest_fingerprint`).
 
     Args:
         backend: The bucket.
@@ -172,7 +220,7 @@ def resolve_scope(
     for fp in fingerprints:
         if not _FINGERPRINT_RE.fullmatch(fp):
             raise ConfigError(f"--fingerprint: {fp!r} is not 32 lowercase hex digits")
-    present = list_fingerprints(backend, prefix)
+    present = everything = list_fingerprints(backend, prefix)
     if fingerprints:
         missing = sorted(set(fingerprints) - set(present))
         if missing:
@@ -181,7 +229,13 @@ def resolve_scope(
                 f"present: {', '.join(present) or 'none'}"
             )
         present = [fp for fp in present if fp in set(fingerprints)]
-    found = [Fingerprint(fp, read_identity(backend, prefix, fp)) for fp in present]
+    identities = {fp: read_identity(backend, prefix, fp) for fp in present}
+    if fingerprints and any(_maybe_shard(ident) for ident in identities.values()):
+        # NOTE: a shard's layout may be outside the scope: only the layout's identity says.
+        identities |= {
+            fp: read_identity(backend, prefix, fp) for fp in everything if fp not in identities
+        }
+    found = _with_manifests(present, identities, set(everything))
     if model is None:
         return found
     matched = [fp for fp in found if fp.model is not None and fnmatch.fnmatchcase(fp.model, model)]
@@ -192,3 +246,121 @@ def resolve_scope(
             f"known models: {', '.join(models) or 'none'}"
         )
     return matched
+
+
+def _maybe_tp(identity: Mapping[str, Any] | None) -> bool:
+    """``identity`` is a TP shard's or a layout's, or unknown (it may be either)."""
+    if identity is None or "shard_fingerprints" in identity:
+        return True
+    size = identity.get("tp_size")
+    return isinstance(size, int) and not isinstance(size, bool) and size > 1
+
+
+def _maybe_shard(identity: Mapping[str, Any] | None) -> bool:
+    """``identity`` is a TP shard's, or unknown (it may be one)."""
+    return _maybe_tp(identity) and "shard_fingerprints" not in (identity or {})
+
+
+def _declared_shards(fingerprint: str, identity: Mapping[str, Any] | None) -> tuple[str, ...]:
+    """The shards a layout's ``identity.json`` names (``()``: not a layout).
+
+    A list naming the fingerprint itself is a TP=1 layout, which is that shard: not a layout.
+    """
+    named = (identity or {}).get("shard_fingerprints")
+    if not isinstance(named, list) or not named:
+        return ()
+    if not all(isinstance(fp, str) and _FINGERPRINT_RE.fullmatch(fp) for fp in named):
+        logger.warning("s3kv: identity.json of %s names malformed shards; ignoring", fingerprint)
+        return ()
+    return () if fingerprint in named else tuple(named)
+
+
+def _identity_of(fingerprint: str, data: Mapping[str, Any]) -> ModelIdentity | None:
+    """The :class:`~s3kv.keys.ModelIdentity` whose ``identity.json`` is ``data``, if its
+    fingerprint is ``fingerprint`` (else ``None``: a newer format, a process-private one)."""
+    if "shard_fingerprints" in data:
+        return None
+    try:
+        values = dict(data)
+        values["extra"] = tuple(tuple(pair) for pair in values.get("extra") or ())
+        identity = ModelIdentity(**values)
+    except (TypeError, ValueError, KeyDerivationError):
+        return None
+    if not identity.is_shareable:
+        return None  # NOTE: fingerprint() of such an identity is random: never this one
+    return identity if identity.fingerprint() == fingerprint else None
+
+
+def _derived_layouts(
+    identities: Mapping[str, Mapping[str, Any] | None], listed: set[str]
+) -> dict[str, tuple[str, ...]]:
+    """Layouts recomputed from the shards' identities: ``{layout fp: shards}``.
+
+    Only layouts whose directory exists (it holds their manifest). For a layout whose
+    ``identity.json`` is missing, so that its shards are not left without their manifest.
+    """
+    groups: dict[str, dict[int, tuple[str, ModelIdentity]]] = {}
+    for fp, data in identities.items():
+        if data is None or not _maybe_tp(data) or "shard_fingerprints" in data:
+            continue
+        identity = _identity_of(fp, data)
+        if identity is None:
+            continue
+        common = {
+            k: v for k, v in identity.as_dict().items() if k not in ("tp_rank", "block_elems")
+        }
+        ranks = groups.setdefault(json.dumps(common, sort_keys=True), {})
+        ranks[identity.tp_rank] = (fp, identity)
+    found: dict[str, tuple[str, ...]] = {}
+    for ranks in groups.values():
+        shards = [ranks[rank] for rank in sorted(ranks)]
+        if len(shards) < 2 or len(shards) != shards[0][1].tp_size:
+            continue
+        try:
+            layout = layout_fingerprint([identity for _, identity in shards])
+        except KeyDerivationError:
+            continue
+        if layout in listed:
+            found[layout] = tuple(fp for fp, _ in shards)
+    return found
+
+
+def _with_manifests(
+    present: Sequence[str],
+    identities: Mapping[str, Mapping[str, Any] | None],
+    listed: set[str],
+) -> list[Fingerprint]:
+    """The :class:`Fingerprint` of each of ``present``, with its manifest resolved."""
+    layouts = {
+        fp: shards for fp, data in identities.items() if (shards := _declared_shards(fp, data))
+    }
+    if any(_maybe_tp(data) for data in identities.values()):
+        described = {shard for shards in layouts.values() for shard in shards}
+        for layout, shards in _derived_layouts(identities, listed).items():
+            if layout not in layouts and not described & set(shards):
+                logger.warning(
+                    "s3kv: layout %s has no identity.json; its shards are %s",
+                    layout,
+                    ", ".join(shards),
+                )
+                layouts[layout] = shards
+    manifest_of: dict[str, str] = {}
+    for layout in sorted(layouts):
+        for shard in layouts[layout]:
+            if manifest_of.setdefault(shard, layout) != layout:
+                logger.warning(
+                    "s3kv: %s is a shard of layouts %s and %s; using the manifest of %s",
+                    shard,
+                    manifest_of[shard],
+                    layout,
+                    manifest_of[shard],
+                )
+    found = []
+    for fp in present:
+        if fp in layouts:
+            found.append(Fingerprint(fp, identities.get(fp), fp, layouts[fp], layouts[fp]))
+        elif (owner := manifest_of.get(fp)) is not None:
+            found.append(Fingerprint(fp, identities.get(fp), owner, (), layouts[owner]))
+        else:
+            found.append(Fingerprint(fp, identities.get(fp)))
+    return found

@@ -19,7 +19,13 @@ Where each figure comes from:
 * **age** — now minus the manifest's first write, else ``LastModified``.
 * **last use** — the later of the manifest's last write/hit and ``LastModified`` (as prune
   decides), so the histogram shows what ``prune --older-than`` would remove.
-* **hits, pins** — the manifest's usage table (snapshot plus newer segments).
+* **hits, pins** — the manifest's usage table (snapshot plus newer segments). Usage figures
+  (hits, pins, manifest keys, last use, age, unmanifested, requests) come from the manifest
+  that describes the fingerprint's blocks: a TP shard's is its layout's
+  (:attr:`~s3kv.ops.scope.Fingerprint.manifest_fingerprint`), so each shard of a layout
+  shows the layout's hits and pins. A layout's own entry has no blocks: it shows its
+  manifest's keys, hits and pins and the objects under it, and no request cost (its shards
+  carry it, each for its own objects).
 * **monthly cost** — storage: the bytes of *every* kind × the price per GiB-month (per kind
   and in total: manifest snapshots can outweigh the blocks). Requests, over 30
   days: PUTs = blocks first written in the last 30 days; GETs = each block's hits scaled to
@@ -203,6 +209,8 @@ class FingerprintStats:
         unmanifested: Objects the manifest does not list.
         foreign: Objects under ``blocks/`` that are not block keys.
         manifest_error: Why the manifest could not be read (its figures are then 0).
+        manifest_fingerprint: The manifest the usage figures come from (a TP shard's is its
+            layout's).
         storage_usd_month: Estimated storage cost per month, every kind.
         requests_usd_month: Estimated request cost per month.
         kinds: Objects, bytes and storage cost per :data:`KINDS` entry (every kind present).
@@ -233,6 +241,11 @@ class FingerprintStats:
     total_objects: int
     total_bytes: int
     snapshot_generations: int
+    manifest_fingerprint: str = ""
+
+    def __post_init__(self) -> None:
+        if not self.manifest_fingerprint:
+            object.__setattr__(self, "manifest_fingerprint", self.fingerprint)
 
 
 @dataclass(frozen=True)
@@ -338,7 +351,7 @@ def _one(
 ) -> FingerprintStats:
     manifest_error = None
     try:
-        usage = load_usage(backend, prefix, fp.fingerprint)
+        usage = load_usage(backend, prefix, fp.manifest_fingerprint)
     except CodecError as exc:
         manifest_error = f"{exc} (rebuild with `s3kv compact --full`)"
         usage = UsageTable(np.zeros(0, USAGE_DTYPE))
@@ -377,11 +390,13 @@ def _one(
     kinds = {kind: _kind_stats(counts[kind], sizes[kind], prices) for kind in KINDS}
     raw, source = _raw_bytes(backend, fp, blocks, sample)
     hits = int(rows["hits"].sum())
-    puts = sum(1 for t in rows["first_written"].tolist() if now - t < _MONTH_S)
-    gets = sum(
-        h * _MONTH_S / max(_MONTH_S, now - t)
-        for h, t in zip(rows["hits"].tolist(), rows["first_written"].tolist(), strict=True)
-    )
+    puts = gets = 0.0
+    if not fp.is_layout:  # NOTE: a layout's blocks are its shards': they count them
+        puts = sum(1 for t in rows["first_written"].tolist() if now - t < _MONTH_S)
+        gets = sum(
+            h * _MONTH_S / max(_MONTH_S, now - t)
+            for h, t in zip(rows["hits"].tolist(), rows["first_written"].tolist(), strict=True)
+        )
     return FingerprintStats(
         fingerprint=fp.fingerprint,
         model=fp.model,
@@ -404,6 +419,7 @@ def _one(
         total_objects=sum(counts.values()),
         total_bytes=sum(sizes.values()),
         snapshot_generations=len(generations),
+        manifest_fingerprint=fp.manifest_fingerprint,
     )
 
 

@@ -13,8 +13,10 @@ checks magic, version, header crc, lengths, the key binding and both checksums. 
   is reported and never deleted.
 * ``gone`` — deleted between the listing and the GET (a concurrent prune): not a problem.
 
-With ``delete=True`` corrupt and foreign objects are deleted (batched), and the
-fingerprint's manifest snapshot is rewritten without their keys, as prune does. Engines
+With ``delete=True`` corrupt and foreign objects are deleted (batched), and the manifest
+snapshot describing them is rewritten without their keys, as prune does: a TP shard's is
+its layout's (:attr:`~s3kv.ops.scope.Fingerprint.manifest_fingerprint`), compacted once
+for all of its shards, and a key deleted from any shard is dropped from it. Engines
 already treat such objects as misses, so deleting them only saves the wasted GETs.
 """
 
@@ -23,7 +25,7 @@ from __future__ import annotations
 import functools
 import random
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -156,7 +158,8 @@ def verify_objects(
         findings=tuple(findings),
     )
     if delete and any(f.verdict in _DELETABLE for f in findings):
-        report = _delete(backend, report, prefix, fpr, clock)
+        manifests = {fp.fingerprint: fp.manifest_fingerprint for fp in scope}
+        report = _delete(backend, report, prefix, manifests, fpr, clock)
     return report
 
 
@@ -189,19 +192,23 @@ def _delete(
     backend: Backend,
     report: VerifyReport,
     prefix: str,
+    manifests: Mapping[str, str],
     fpr: float,
     clock: Callable[[], float],
 ) -> VerifyReport:
+    """Delete the corrupt and foreign objects, then drop their keys from the manifests
+    (``manifests``: fingerprint -> its manifest's fingerprint)."""
     doomed = [f for f in report.findings if f.verdict in _DELETABLE]
     result = backend.delete_many([f.key for f in doomed])
     gone = {f.key for f in doomed if f.key not in result.failed}
     manifest_errors = []
-    by_fp: dict[str, list[BlockHash]] = {}
+    by_manifest: dict[str, dict[BlockHash, None]] = {}
     for f in doomed:
         parsed = parse_block_object_key(prefix, f.key)
         if f.key in gone and parsed is not None:
-            by_fp.setdefault(f.fingerprint, []).append(parsed[1])
-    for fingerprint, keys in by_fp.items():
+            manifest = manifests.get(f.fingerprint, f.fingerprint)
+            by_manifest.setdefault(manifest, {})[parsed[1]] = None
+    for fingerprint, keys in by_manifest.items():
         try:
             done = compact(
                 backend,
@@ -209,7 +216,7 @@ def _delete(
                 fingerprint,
                 fpr=fpr,
                 clock=clock,
-                drop_keys=keys,
+                drop_keys=list(keys),
             )
         except (StorageError, CodecError) as exc:
             manifest_errors.append(f"{fingerprint}: manifest not rewritten ({exc})")
