@@ -29,11 +29,11 @@ refresh 10 s, lease 60 s), each instance at its own random phase. No threads, no
 * ``fleet.s3_startup_requests`` / ``fleet.s3_startup_ms``: a small fleet (5 writers, 2
   readers) on a real local S3 server (SeaweedFS), then a new instance's open, wall clock.
 
-Simulation notes. The manifest measures lease and heartbeat ages with ``time.monotonic()``
-(not its injectable clock), so the benchmark points the ``time`` name of the manifest
-modules at the simulated clock while it simulates. With an in-memory bucket the library's
-thread pool for parallel GETs is pure overhead, so the simulation maps serially (the same
-requests); ``fleet.startup_ms_sim`` and the S3 run use the real pool.
+Simulation notes. The manifest measures lease and heartbeat ages with its injectable
+``monotonic`` clock, which the benchmark sets to the simulated clock; it also points the
+``time`` name of the manifest modules at that clock while it simulates. With an in-memory
+bucket the library's thread pool for parallel GETs is pure overhead, so the simulation maps
+serially (the same requests); ``fleet.startup_ms_sim`` and the S3 run use the real pool.
 
 Usage: ``python benchmarks/bench_fleet.py [--quick]``.
 """
@@ -428,6 +428,7 @@ class Instance:
         fleet.tally.role = f"open:{name}"
         self.manifest = Manifest.open(fleet.backend, PREFIX, FP, capacity=CAPACITY, fpr=FPR,
                                       instance_id=name, clock=fleet.clock,
+                                      monotonic=fleet.clock,
                                       compaction=fleet.policy)  # fmt: skip
 
     def schedule(self) -> None:
@@ -601,7 +602,8 @@ def probe_open(fleet: Fleet) -> None:
     """Open a new (non-compacting) instance now; note its requests, shards and deltas."""
     tally = Tally()
     manifest = Manifest.open(CountingBackend(fleet.inner, tally), PREFIX, FP, capacity=CAPACITY,
-                             fpr=FPR, instance_id="probe", clock=fleet.clock)  # fmt: skip
+                             fpr=FPR, instance_id="probe", clock=fleet.clock,
+                             monotonic=fleet.clock)  # fmt: skip
     entry = ManifestLog(ManifestIO(fleet.inner, PREFIX, FP)).latest()
     assert entry is not None
     assert manifest.open_requests == tally.total
@@ -617,7 +619,7 @@ def startup_after(fleet: Fleet, hours: float, wall_s: float, note: str) -> None:
     with simulated(fleet.clock, serial=True):
         fresh = Manifest.open(CountingBackend(fleet.inner, tally), PREFIX, FP, capacity=CAPACITY,
                               fpr=FPR, instance_id="newcomer", clock=fleet.clock,
-                              compaction=fleet.policy)  # fmt: skip
+                              monotonic=fleet.clock, compaction=fleet.policy)  # fmt: skip
     entry = ManifestLog(ManifestIO(fleet.inner, PREFIX, FP)).latest()
     assert entry is not None
     snapshot = entry.snapshot

@@ -199,7 +199,8 @@ class Compactor:
         The new term starts with the previous holder's undeleted segments (``folded``),
         which it deletes before folding anything, so nothing is folded twice.
         """
-        if entry is not None and self._superseded_by_newer(entry):
+        # NOTE: a candidate behind the log is the usual loser of a take-over race: info only.
+        if entry is not None and self._superseded_by_newer(entry, level=logging.INFO):
             return None
         self.token = secrets.token_hex(4)
         self._delta_cache.clear()
@@ -225,7 +226,7 @@ class Compactor:
         )
         return taken
 
-    def _superseded_by_newer(self, entry: LogEntry) -> bool:
+    def _superseded_by_newer(self, entry: LogEntry, *, level: int = logging.WARNING) -> bool:
         """Whether the log has moved past ``entry`` (one GET of the ``LATEST`` hint).
 
         The conditional create of ``V + 1`` fences only while ``V + 1`` exists; entries are
@@ -236,7 +237,8 @@ class Compactor:
         newer = self.log.hint() > entry.version
         if newer:
             self._pending.clear()
-            logger.warning(
+            logger.log(
+                level,
                 "s3kv manifest: %s is behind the log (v%d); not publishing",
                 self.instance_id,
                 entry.version,
