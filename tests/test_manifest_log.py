@@ -6,13 +6,14 @@ injected clock and the compactor driven by hand (``compact_once``), so each step
 
 from __future__ import annotations
 
+import json
 import time
 from typing import Any
 
 import numpy as np
 import pytest
 
-from s3kv.errors import StorageError
+from s3kv.errors import CodecError, StorageError
 from s3kv.keys import BlockHash
 from s3kv.manifest import (
     CompactionPolicy,
@@ -594,3 +595,146 @@ def test_a_holder_paused_past_the_swept_log_is_fenced(
     writer.flush()
     assert sleeper.cycle(entry).action == "fenced"
     assert latest(backend) == current
+
+
+# --- review findings: each test failed before its fix -------------------------------------
+
+
+def test_a_failed_log_publish_never_costs_the_segments_it_read(
+    backend: CountingBackend, clock: Clock, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    a = member(backend, clock, "a")
+    a.compact_once()
+    chain = make_chain(5, seed=20)
+    write_chain(a, chain)
+    a.flush()
+    real_append = ManifestLog.append
+
+    def timeout(self: ManifestLog, entry: LogEntry) -> bool:
+        raise StorageError("injected: the log entry PUT timed out, not written")
+
+    monkeypatch.setattr(ManifestLog, "append", timeout)
+    assert a.compact_once() == "error"
+    monkeypatch.setattr(ManifestLog, "append", real_append)
+    assert len(segment_keys(backend)) == 1  # not deleted: nothing published them
+    assert a.compact_once() == "cycle:delta"
+    assert all(reader(backend, clock, "r").may_contain(k) for k in chain)
+
+
+def test_a_corrupt_newest_entry_is_skipped_and_never_forks_the_log(
+    backend: CountingBackend, clock: Clock
+) -> None:
+    a = member(backend, clock, "a")
+    a.compact_once()
+    chain = make_chain(3, seed=21)
+    write_chain(a, chain)
+    a.flush()
+    a.compact_once()
+    top = latest(backend).version
+    backend.inner.put(f"{ROOT}log/{top + 1:020d}.json", b'{"format": 2, "version": 1e999')
+    backend.inner.put(f"{ROOT}LATEST", b'{"version": Infinity}')
+    newcomer = member(backend, clock, "newcomer")  # never raises, never starts a new log
+    assert newcomer.version == top
+    assert all(newcomer.may_contain(k) for k in chain)
+    assert newcomer.compact_once() in {"wait", "lost"}
+    assert backend.inner.get(f"{ROOT}log/{1:020d}.json") is not None  # v1 untouched
+    more = make_chain(2, seed=22)
+    write_chain(a, more)
+    a.flush()
+    assert a.compact_once() == "cycle:delta"  # published past the corrupt entry
+    assert latest(backend).version == top + 2
+    newcomer.refresh()
+    assert all(newcomer.may_contain(k) for k in more)
+
+
+def test_hostile_entry_fields_are_refused_not_raised(
+    backend: CountingBackend, clock: Clock
+) -> None:
+    a = member(backend, clock, "a")
+    a.compact_once()
+    compact(backend, PREFIX, FP, fpr=FPR, clock=clock)
+    good = latest(backend)
+    assert good.snapshot is not None
+    for snapshot in ({"shard_keys": [10**16]}, {"fp_bits": 12}):
+        raw = json.loads(good.to_json())
+        raw["snapshot"].update(snapshot)
+        with pytest.raises(CodecError):
+            LogEntry.from_json(json.dumps(raw).encode())
+    with pytest.raises(CodecError):
+        LogEntry.from_json(b'{"format": 2, "version": 1e999}')
+    backend.inner.put(f"{ROOT}LATEST", b"[" * 100_000)
+    assert reader(backend, clock, "r").version == good.version
+
+
+def test_close_never_races_a_compactor_cycle_in_progress(
+    backend: CountingBackend, clock: Clock
+) -> None:
+    a = member(backend, clock, "a")
+    a.compact_once()
+    write_chain(a, make_chain(4, seed=23))
+    a.flush(force=True)
+    a._compact_lock.acquire()
+    try:
+        a.close(timeout=0.1)
+    finally:
+        a._compact_lock.release()
+    assert latest(backend).holder == "a"  # not released under a running cycle
+    assert len(segment_keys(backend)) == 1  # and nothing it read was deleted
+
+
+def test_sweep_spares_what_a_kept_entry_still_names(backend: CountingBackend, clock: Clock) -> None:
+    a = member(backend, clock, "a")
+    a.compact_once()
+    write_chain(a, make_chain(3, seed=24))
+    a.flush()
+    compact(backend, PREFIX, FP, fpr=FPR, clock=clock)
+    first = latest(backend)
+    clock.advance(2 * 3600)  # the first snapshot's objects are hours old
+    compact(backend, PREFIX, FP, fpr=FPR, clock=clock)  # sweeps at its first publish
+    assert first.snapshot is not None
+    left = {i.key for i in backend.inner.list(ROOT + "snapshots/")}
+    assert {ROOT + path for path in first.snapshot.paths()} <= left
+
+
+def test_keys_a_prune_dropped_stop_being_advertised_at_its_snapshot(
+    backend: CountingBackend, clock: Clock
+) -> None:
+    a = member(backend, clock, "a")
+    a.compact_once()
+    w = reader(backend, clock, "w")
+    chain = make_chain(4, seed=25)
+    write_chain(w, chain)
+    w.flush()
+    a.compact_once()
+    r = reader(backend, clock, "r")
+    assert all(r.may_contain(k) for k in chain)  # from a delta
+    compact(backend, PREFIX, FP, fpr=FPR, clock=clock, drop_keys=[bytes(k) for k in chain])
+    r.refresh()
+    assert not any(r.may_contain(k) for k in chain)
+
+
+def test_a_snapshot_longer_than_the_lease_keeps_the_lease_with_heartbeats(
+    backend: CountingBackend, clock: Clock, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    mono = Clock(0.0)
+    policy = CompactionPolicy(lease_s=60.0, shard_keys=10, snapshot_records=1)
+    a = Manifest.open(backend, PREFIX, FP, capacity=1000, fpr=FPR, instance_id="a",
+                      clock=clock, monotonic=mono, compaction=policy)  # fmt: skip
+    a.compact_once()
+    write_chain(a, make_chain(100, seed=26))
+    a.flush()
+    real_put = ManifestIO.put
+    writes: list[str] = []
+
+    def slow_put(self: ManifestIO, path: str, data: bytes, *, if_absent: bool = False) -> bool:
+        if path.startswith("snapshots/"):
+            mono.advance(15.0)  # every shard object takes a quarter of the lease
+        writes.append(path)
+        return real_put(self, path, data, if_absent=if_absent)
+
+    monkeypatch.setattr(ManifestIO, "put", slow_put)
+    before = latest(backend).version
+    assert a.compact_once() == "cycle:snapshot"
+    beats = [p for p in writes if p.startswith("log/")]
+    assert len(beats) >= 3  # heartbeats between the 16 shard objects, then the snapshot
+    assert latest(backend).version == before + len(beats)

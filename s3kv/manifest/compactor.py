@@ -50,6 +50,7 @@ from s3kv.manifest.log import (
     log_version,
 )
 from s3kv.manifest.snapshot import (
+    PARALLEL_GETS,
     coalesce,
     delta_write_keys,
     parallel,
@@ -66,6 +67,34 @@ logger = logging.getLogger(__name__)
 DELTAS_DIR: Final = "deltas/"
 #: Sweep unreferenced objects and old log entries this often (seconds).
 _SWEEP_EVERY: Final = 3600.0
+
+
+#: Folded segments left undeleted past this many: say so loudly (permissions?).
+_PENDING_WARN: Final = 10_000
+
+
+class _FencedError(Exception):
+    """Another instance published first (raised only inside a cycle)."""
+
+
+class _Heartbeats:
+    """Keeps a long snapshot write alive: a heartbeat entry every ``lease / 3`` between shards.
+
+    Without it, candidates would take over mid-write, fence this holder, face the same due
+    snapshot and be fenced in turn, and nothing would ever be published again.
+    """
+
+    def __init__(self, compactor: Compactor, entry: LogEntry, version: int) -> None:
+        self._compactor = compactor
+        self.entry = entry
+        self.version = version
+
+    def maybe(self) -> None:
+        compactor = self._compactor
+        if compactor._monotonic() - compactor._last_publish < compactor.policy.lease_s / 3:
+            return
+        self.entry = compactor.heartbeat(self.entry, self.version)
+        self.version += 1
 
 
 def legacy_usage(io: ManifestIO) -> Records | None:
@@ -200,16 +229,19 @@ class Compactor:
         which it deletes before folding anything, so nothing is folded twice.
         """
         # NOTE: a candidate behind the log is the usual loser of a take-over race: info only.
-        if entry is not None and self._superseded_by_newer(entry, level=logging.INFO):
+        base = entry or LogEntry(0, "", "", 1.0, None)
+        version = self._next_version(base, level=logging.INFO)
+        if version is None:
             return None
         self.token = secrets.token_hex(4)
         self._delta_cache.clear()
         lease = self.policy.lease_s if lease_s is None else lease_s
         now = self._clock()
         if entry is None:
-            taken = LogEntry(1, self.instance_id, self.token, lease, None, created_at=now)
+            taken = LogEntry(version, self.instance_id, self.token, lease, None, created_at=now)
         else:
             taken = entry.next(
+                version=version,
                 holder=self.instance_id,
                 token=self.token,
                 lease_s=lease,
@@ -226,32 +258,44 @@ class Compactor:
         )
         return taken
 
-    def _superseded_by_newer(self, entry: LogEntry, *, level: int = logging.WARNING) -> bool:
-        """Whether the log has moved past ``entry`` (one GET of the ``LATEST`` hint).
+    def _next_version(self, entry: LogEntry, *, level: int = logging.WARNING) -> int | None:
+        """The version to create after ``entry``; ``None`` when a valid newer entry exists.
 
-        The conditional create of ``V + 1`` fences only while ``V + 1`` exists; entries are
-        swept after ``keep_versions``, so a holder (or candidate) woken from a pause longer
-        than that could otherwise re-create a swept version and fork the log. The hint lags
-        the newest entry by at most one version, far less than the swept window.
+        One LIST from ``entry``. The conditional create of ``V + 1`` fences only while
+        ``V + 1`` exists; entries are swept after ``keep_versions``, so a holder (or
+        candidate) woken from a pause longer than that could otherwise re-create a swept
+        version and fork the log. Listing sees every newer entry whatever the ``LATEST``
+        hint says (a hint can be stale, garbage or far ahead: it never decides). A newer
+        entry that is not valid (torn, hostile, a future format) occupies its number and
+        nothing else: the next entry goes past it.
         """
-        newer = self.log.hint() > entry.version
-        if newer:
-            self._pending.clear()
-            logger.log(
-                level,
-                "s3kv manifest: %s is behind the log (v%d); not publishing",
-                self.instance_id,
-                entry.version,
-            )
-        return newer
+        newer = self.log.versions_after(entry.version)
+        for version in newer:
+            try:
+                found = self.log.read(version)
+            except CodecError:
+                continue
+            if found is not None:
+                logger.log(
+                    level,
+                    "s3kv manifest: %s is behind the log (v%d < v%d); not publishing",
+                    self.instance_id,
+                    entry.version,
+                    version,
+                )
+                return None
+        return max(newer, default=entry.version) + 1
 
     def release(self, entry: LogEntry) -> bool:
         """Publish an entry with no holder, so another instance takes over at once."""
         if not self.holds(entry):
             return False
-        return self.log.append(
-            entry.next(holder="", folded=tuple(sorted(self._pending)), created_at=self._clock())
-        )
+        version = self._next_version(entry)
+        if version is None:
+            return False
+        folded = tuple(sorted(self._pending | set(entry.folded)))
+        released = entry.next(version=version, holder="", folded=folded, created_at=self._clock())
+        return self.log.append(released)
 
     # --- a cycle --------------------------------------------------------------------------
 
@@ -272,38 +316,55 @@ class Compactor:
         cannot be read is replaced by it.
         """
         start_requests = self.io.requests
-        if self._superseded_by_newer(entry):
-            return CycleReport(None, 0, 0, 0, "fenced", self.io.requests - start_requests, 0)
+
+        def report(published: LogEntry | None, action: str, *counts: int) -> CycleReport:
+            segments, corrupt, records, dropped = counts or (0, 0, 0, 0)
+            requests = self.io.requests - start_requests
+            return CycleReport(published, segments, corrupt, records, action, requests, dropped)
+
+        next_version = self._next_version(entry)
+        if next_version is None:
+            self._pending.clear()
+            return report(None, "fenced")
+        # NOTE: only names a published entry lists as folded are ever deleted: a publish
+        # that failed (or whose outcome is unknown) must not cost the segments it read.
+        self._pending.update(entry.folded)
         self._delete_pending()
-        names = self._unfolded_segments()
-        batches = parallel(self._read_segment, names)
-        corrupt = [name for name, got in zip(names, batches, strict=True) if got is False]
-        folded = [name for name, got in zip(names, batches, strict=True) if got is not False]
-        loaded = [got for got in batches if got is not None and got is not False]
-        new = coalesce(np.concatenate(loaded)) if loaded else np.zeros(0, RECORD_DTYPE)
+        folded, corrupt, new = self._read_unfolded()
         legacy = self._legacy() if entry.snapshot is None else None
-        version = entry.version + 1
         snapshot, deltas, action, dropped = entry.snapshot, entry.deltas, "idle", 0
         stale = snapshot is not None and self._clock() - snapshot.created_at > (
             self.policy.snapshot_max_age_s
         )
-        force_snapshot = force_snapshot or stale or bool(drop) or listing is not None
-        if (
-            force_snapshot
-            or legacy is not None
-            or (
-                len(new)
-                and self.policy.snapshot_due(
-                    entry.delta_records + len(new), snapshot.keys if snapshot else 0
+        forced = force_snapshot or stale or bool(drop) or listing is not None or legacy is not None
+        due = bool(len(new)) and self.policy.snapshot_due(
+            entry.delta_records + len(new), snapshot.keys if snapshot else 0
+        )
+        if forced or due:
+            try:
+                merged = coalesce(np.concatenate([*self._delta_records(entry), new]))
+                beats = _Heartbeats(self, entry, next_version)
+                snapshot, dropped = self._write_snapshot(
+                    snapshot, merged, next_version, legacy, drop, listing, beats.maybe
                 )
-            )
-        ):
-            merged = coalesce(np.concatenate([*self._delta_records(entry), new]))
-            snapshot, dropped = self._write_snapshot(
-                snapshot, merged, version, legacy, drop, listing
-            )
-            deltas, action = (), "snapshot"
-        elif len(new):
+                entry, next_version = beats.entry, beats.version
+                deltas, action = (), "snapshot"
+            except _FencedError:
+                self._pending.clear()
+                return report(None, "fenced")
+            except CodecError as exc:
+                if forced and not due and not stale:
+                    raise
+                # NOTE: an unreadable base shard must not stop compaction for good: keep
+                # publishing deltas, and say how to rebuild (only a listing can).
+                logger.error(
+                    "s3kv manifest: cannot write a snapshot (%s); publishing deltas meanwhile. "
+                    "Rebuild it with `s3kv compact --full`",
+                    exc,
+                )
+                snapshot = entry.snapshot
+        version = next_version
+        if action != "snapshot" and len(new):
             merge = len(deltas) + 1 > self.policy.max_deltas
             if merge:
                 # NOTE: the merged delta holds only what readers already have, so a reader
@@ -312,18 +373,19 @@ class Compactor:
                 deltas = (self._write_delta(f"{version:020d}-{self.token}-m", old, merged=True),)
             fresh = self._write_delta(f"{version:020d}-{self.token}", new, merged=False)
             deltas, action = (*deltas, fresh), "merge" if merge else "delta"
-        elif self._monotonic() - self._last_publish < self.policy.lease_s / 3 and not names:
-            return CycleReport(entry, 0, 0, 0, "idle", self.io.requests - start_requests, 0)
-        else:
+        elif action != "snapshot":
+            idle = self._monotonic() - self._last_publish < self.policy.lease_s / 3
+            if idle and not folded and not corrupt:
+                return report(entry, "idle")
             action = "heartbeat"
-        self._pending.update(folded, corrupt)
         nxt = entry.next(
+            version=version,
             holder=self.instance_id,
             token=self.token,
-            lease_s=entry.lease_s if entry.holder == self.instance_id else self.policy.lease_s,
+            lease_s=self.policy.lease_s if entry.holder == self.instance_id else entry.lease_s,
             snapshot=snapshot,
             deltas=deltas,
-            folded=tuple(sorted(self._pending)),
+            folded=self._folded_names(folded, corrupt),
             created_at=self._clock(),
         )
         if not self.log.append(nxt):
@@ -333,18 +395,51 @@ class Compactor:
                 version,
             )
             self._pending.clear()
-            return CycleReport(None, 0, 0, 0, "fenced", self.io.requests - start_requests, 0)
+            return report(None, "fenced")
+        self._pending.update(folded, corrupt)
         self._last_publish = self._monotonic()
         self._after_publish(entry, nxt)
-        return CycleReport(
-            nxt,
-            len(folded),
-            len(corrupt),
-            len(new),
-            action,
-            self.io.requests - start_requests,
-            dropped,
+        return report(nxt, action, len(folded), len(corrupt), len(new), dropped)
+
+    def _folded_names(self, folded: list[str], corrupt: list[str]) -> tuple[str, ...]:
+        """The entry's ``folded`` list: this cycle's names plus the undeleted, bounded.
+
+        If deletes keep failing the list would grow with every cycle (and every reader
+        parses it); past the bound the oldest undeleted names are given up: they are
+        folded again later, which only repeats their records (said loudly once).
+        """
+        fresh = {*folded, *corrupt}
+        older = sorted(self._pending - fresh)
+        room = max(0, _PENDING_WARN - len(fresh))
+        if len(older) > room:
+            given_up = older[: len(older) - room]
+            self._pending.difference_update(given_up)
+            logger.error(
+                "s3kv manifest: %d folded segments could not be deleted; they will be folded "
+                "again (check s3:DeleteObject on the manifest prefix)",
+                len(given_up),
+            )
+            older = older[len(given_up) :]
+        return tuple(sorted({*fresh, *older}))
+
+    def heartbeat(self, entry: LogEntry, version: int) -> LogEntry:
+        """Publish ``entry``'s state again as ``version`` (no news: the holder is alive).
+
+        Raises:
+            _FencedError: another instance published ``version`` first.
+        """
+        beat = entry.next(
+            version=version,
+            holder=self.instance_id,
+            token=self.token,
+            lease_s=self.policy.lease_s,
+            folded=tuple(sorted(self._pending | set(entry.folded))),
+            created_at=self._clock(),
         )
+        if not self.log.append(beat):
+            raise _FencedError
+        self._last_publish = self._monotonic()
+        return beat
 
     def _write_snapshot(
         self,
@@ -354,6 +449,7 @@ class Compactor:
         legacy: Records | None,
         drop: Collection[bytes],
         listing: Sequence[tuple[bytes, int, float]] | None,
+        after_shard: Callable[[], None] | None = None,
     ) -> tuple[SnapshotRef, int]:
         generation = (base.generation if base else 0) + 1
 
@@ -370,6 +466,7 @@ class Compactor:
                 base_rows=legacy,
                 listing=listing or (),
                 drop=drop,
+                after_shard=after_shard,
             )
 
         try:
@@ -388,9 +485,34 @@ class Compactor:
         self._delta_cache[path] = records
         return DeltaRef(path, len(records), len(delta_write_keys(records)), merged=merged)
 
-    def _unfolded_segments(self) -> list[str]:
+    def _read_unfolded(self) -> tuple[list[str], list[str], Records]:
+        """(folded names, corrupt names, coalesced records) of the segments to fold now.
+
+        Reads in parallel batches, oldest names first, and stops once ``max_segments``
+        names or ``snapshot_cap`` records are in hand: a cycle's memory is bounded whatever
+        piled up (the rest is folded by the next cycles).
+        """
         names = [name for name, _ in self.io.segments(0) if name not in self._pending]
-        return names[: self.policy.max_segments]
+        names = names[: self.policy.max_segments]
+        folded: list[str] = []
+        corrupt: list[str] = []
+        loaded: list[Records] = []
+        records = 0
+        step = 4 * PARALLEL_GETS
+        for start in range(0, len(names), step):
+            chunk = names[start : start + step]
+            for name, got in zip(chunk, parallel(self._read_segment, chunk), strict=True):
+                if got is False:
+                    corrupt.append(name)
+                    continue
+                folded.append(name)
+                if got is not None and got is not True:
+                    loaded.append(got)
+                    records += len(got)
+            if records >= self.policy.snapshot_cap:
+                break
+        new = coalesce(np.concatenate(loaded)) if loaded else np.zeros(0, RECORD_DTYPE)
+        return folded, corrupt, new
 
     def _read_segment(self, name: str) -> Records | bool | None:
         """Records, ``None`` (vanished) or ``False`` (corrupt)."""
@@ -426,6 +548,8 @@ class Compactor:
     # --- deleting what is obsolete ----------------------------------------------------------
 
     def _after_publish(self, previous: LogEntry, published: LogEntry) -> None:
+        """Delete what ``published`` made obsolete: never raises (a publish that succeeded
+        always returns its entry; what could not be deleted is retried later)."""
         now = self._clock()
         self._delete_pending()
         gone = sorted(previous.objects() - published.objects())
@@ -438,23 +562,28 @@ class Compactor:
         self._delete([path for paths in due for path in paths])
         if self._monotonic() - self._last_sweep >= _SWEEP_EVERY or not self._last_sweep:
             self._last_sweep = self._monotonic()
-            self.sweep(published)
+            try:
+                self.sweep(published)
+            except (StorageError, CodecError) as exc:
+                logger.warning("s3kv manifest: sweep failed (%s); retried later", exc.kind)
 
     def _delete_pending(self) -> None:
         if not self._pending:
             return
         names = sorted(self._pending)
         try:
-            self.io.delete([SEGMENTS_DIR + name for name in names])
+            deleted = self.io.delete([SEGMENTS_DIR + name for name in names])
         except StorageError as exc:
             logger.warning("s3kv manifest: could not delete folded segments (%s)", exc.kind)
             return
-        self._pending.difference_update(names)
+        # NOTE: only names the server reported deleted leave the list; the others stay in
+        # every entry's `folded` (so nobody folds them again) until a delete succeeds.
+        self._pending.difference_update(path[len(SEGMENTS_DIR) :] for path in deleted)
 
     def _delete(self, paths: Iterable[str]) -> int:
         paths = list(paths)
         try:
-            return self.io.delete(paths)
+            return len(self.io.delete(paths))
         except StorageError as exc:
             logger.warning("s3kv manifest: cleanup failed (%s); retried later", exc.kind)
             return 0
@@ -462,20 +591,29 @@ class Compactor:
     def sweep(self, entry: LogEntry) -> int:
         """Delete unreferenced snapshot and delta objects and old log entries past grace.
 
-        Objects of a term killed mid-cycle and of format-1 generations end here. Returns
-        the objects deleted.
+        Objects of a term killed mid-cycle and of format-1 generations end here. Objects any
+        kept log entry names are spared (a reader may still be loading an older version),
+        as is anything younger than the grace period. Returns the objects deleted.
         """
         cutoff = self._clock() - self.policy.grace_s
-        live = entry.objects()
+        floor = entry.version - self.policy.keep_versions
+        logs = [(log_version(n), modified) for n, modified in self._listed(LOG_DIR)]
+        kept = sorted(v for v, _ in logs if v is not None and v >= floor)
+        live = set(entry.objects())
+        for version in kept:
+            try:
+                older = self.log.read(version) if version != entry.version else entry
+            except CodecError:
+                continue
+            if older is not None:
+                live |= older.objects()
         doomed: list[str] = []
         for directory in (SNAPSHOTS_DIR, DELTAS_DIR):
             for name, modified in self._listed(directory):
                 path = directory + name
                 if path not in live and modified < cutoff:
                     doomed.append(path)
-        floor = entry.version - self.policy.keep_versions
-        for name, modified in self._listed(LOG_DIR):
-            found = log_version(name)
+        for found, modified in logs:
             if found is not None and found < floor and modified < cutoff:
                 doomed.append(log_name(found))
         return self._delete(doomed)

@@ -6,12 +6,13 @@ rate, three memory probes per lookup). Keys that arrive afterwards (deltas, this
 instance's own writes) go into a *scalable* Bloom filter: a list of partitions, each twice
 the capacity of the one before at half its false-positive rate, so the filter grows with
 the data and the sum of the partitions' rates stays within its budget however many keys
-arrive. A saturated filter therefore cannot exist: nothing ever silently turns every
+arrive (deltas and this instance's own writes each grow a series). A saturated filter
+therefore cannot exist: nothing ever silently turns every
 lookup into "present" (which would make the store skip every save).
 
-False-positive rate, for a target ``fpr``: the snapshot's ``2**-fp_bits`` plus the growth
-budget ``(fpr - 2**-fp_bits) / 2`` for this generation's partitions, plus as much again for
-the partitions carried over from the previous generation (see :meth:`KeyFilter.carry`).
+False-positive rate, for a target ``fpr``: the snapshot's ``2**-fp_bits`` plus at most
+``(fpr - 2**-fp_bits) / 2`` for the three growth series (manifest keys, own writes, own
+writes carried from the previous generation: see :meth:`KeyFilter.carry`).
 
 Lookups take no lock (tuples of immutable-sized filters are swapped whole); adds take one.
 """
@@ -48,8 +49,41 @@ def _as_array(keys: Sequence[bytes]) -> npt.NDArray[np.void]:
     return np.frombuffer(b"".join(keys), dtype="V16") if keys else np.zeros(0, "V16")
 
 
+class _Series:
+    """A scalable Bloom filter: partitions that double in capacity and halve in rate."""
+
+    def __init__(self, capacity: int, fpr: float) -> None:
+        self.parts: tuple[BloomFilter, ...] = ()
+        self._last_capacity = 0
+        self._next_capacity = max(_MIN_GROWTH, capacity)
+        self._next_fpr = fpr
+
+    def add_many(self, keys: Sequence[bytes]) -> None:
+        """Caller holds the filter's lock."""
+        start = 0
+        while start < len(keys):
+            part, room = self._writable()
+            part.add_many(keys[start : start + room])
+            start += room
+
+    def _writable(self) -> tuple[BloomFilter, int]:
+        if self.parts and self.parts[-1].count < self._last_capacity:
+            return self.parts[-1], self._last_capacity - self.parts[-1].count
+        capacity = self._next_capacity
+        part = BloomFilter.for_capacity(capacity, self._next_fpr)
+        self._last_capacity = capacity
+        self._next_capacity *= 2
+        self._next_fpr /= 2
+        self.parts = (*self.parts, part)
+        return part, capacity
+
+
 class KeyFilter:
     """Which keys may exist: snapshot shards (static) plus growth partitions (scalable).
+
+    Keys from the manifest (deltas) and this instance's own writes grow separate series:
+    across a snapshot swap only the own writes are carried (:meth:`carry`), so a key that
+    a prune removed stops being advertised at the first snapshot that dropped it.
 
     Args:
         fpr: Target false-positive rate of the whole filter.
@@ -71,56 +105,49 @@ class KeyFilter:
         self._shards = tuple(shards)
         self._shard_bits = shard_bits
         snapshot_fpr = max((2.0**-s.fp_bits for s in shards), default=0.0)
-        self._budget = max(fpr - snapshot_fpr, fpr / 2) / 2
-        self._next_capacity = max(_MIN_GROWTH, growth_capacity)
-        self._next_fpr = self._budget / 2
+        # NOTE: the budget left after the snapshot is split three ways: this generation's
+        # manifest keys, its own writes, and the own writes carried from the generation
+        # before; each series sums to at most half its third.
+        third = max(fpr - snapshot_fpr, fpr / 2) / 3
+        self._growth = _Series(growth_capacity, third / 2)
+        self._local = _Series(_MIN_GROWTH, third / 2)
         self._carried: tuple[BloomFilter, ...] = ()
-        self._own: tuple[BloomFilter, ...] = ()
-        self._own_capacity = 0  # capacity of self._own[-1]
         self._lock = threading.Lock()
 
     # --- growth ---------------------------------------------------------------------------
 
     def carry(self, previous: KeyFilter) -> None:
-        """Keep ``previous``'s own partitions (keys added since *its* snapshot).
+        """Keep ``previous``'s own-write partitions (this instance's writes since its snapshot).
 
-        A new snapshot folds what the compactor had seen when it started, not the writes
-        this instance made while it ran; keeping one generation of partitions covers them.
-        Older generations are dropped, so memory stays at two generations of growth.
+        A new snapshot folds what the compactor had read when it started, not the writes
+        this instance made meanwhile; keeping one generation of them covers those. Keys
+        that came from deltas are not carried: the new snapshot has them (or dropped them).
         """
         with self._lock:
-            self._carried = previous._own
+            self._carried = previous._local.parts
 
     def add_many(self, keys: Sequence[bytes]) -> None:
-        """Add keys (16 bytes each) to the growth partitions."""
-        start = 0
+        """Add keys (16 bytes each) that the manifest says exist."""
         with self._lock:
-            while start < len(keys):
-                part, room = self._writable()
-                part.add_many(keys[start : start + room])
-                start += room
+            self._growth.add_many(keys)
+
+    def add_local(self, keys: Sequence[bytes]) -> None:
+        """Add keys this instance wrote itself (carried across one snapshot swap)."""
+        with self._lock:
+            self._local.add_many(keys)
 
     def add(self, key: bytes) -> None:
-        """Add one key."""
+        """Add one key the manifest says exists."""
         self.add_many([key])
 
     def add_array(self, keys: npt.NDArray[np.void]) -> None:
         """Add keys given as a ``V16`` array."""
         self.add_many([bytes(key) for key in keys])
 
-    def _writable(self) -> tuple[BloomFilter, int]:
-        """Caller holds the lock. The newest partition with room (and the room left)."""
-        if self._own and self._own[-1].count < self._own_capacity:
-            return self._own[-1], self._own_capacity - self._own[-1].count
-        capacity = self._next_capacity
-        part = BloomFilter.for_capacity(capacity, self._next_fpr)
-        self._own_capacity = capacity
-        self._next_capacity *= 2
-        self._next_fpr /= 2
-        self._own = (*self._own, part)
-        return part, capacity
-
     # --- lookups --------------------------------------------------------------------------
+
+    def _parts(self) -> tuple[BloomFilter, ...]:
+        return (*self._carried, *self._growth.parts, *self._local.parts)
 
     def contains_many(self, keys: Sequence[bytes]) -> npt.NDArray[np.bool_]:
         """Whether each key may exist. No lock, no network."""
@@ -133,7 +160,7 @@ class KeyFilter:
             for index in np.unique(shard):
                 mask = shard == index
                 found[mask] = self._shards[int(index)].contains_many(array[mask])
-        for part in (*self._carried, *self._own):
+        for part in self._parts():
             if found.all():
                 break
             rest = np.flatnonzero(~found)
@@ -160,16 +187,14 @@ class KeyFilter:
     @property
     def growth_keys(self) -> int:
         """Keys added to this generation's partitions (inserts; an upper bound)."""
-        return sum(part.count for part in self._own)
+        return sum(part.count for part in (*self._growth.parts, *self._local.parts))
 
     @property
     def partitions(self) -> int:
         """Growth partitions held (this generation's and the carried ones)."""
-        return len(self._own) + len(self._carried)
+        return len(self._parts())
 
     @property
     def nbytes(self) -> int:
         """Bytes of every filter held."""
-        return sum(s.nbytes for s in self._shards) + sum(
-            p.nbytes for p in (*self._carried, *self._own)
-        )
+        return sum(s.nbytes for s in self._shards) + sum(p.nbytes for p in self._parts())

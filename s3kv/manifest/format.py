@@ -300,7 +300,14 @@ class Current:
             )
         except UnsupportedVersionError:
             raise
-        except (UnicodeDecodeError, ValueError, KeyError, TypeError) as exc:
+        except (
+            UnicodeDecodeError,
+            ValueError,
+            KeyError,
+            TypeError,
+            OverflowError,
+            RecursionError,
+        ) as exc:
             raise CodecError(f"CURRENT: not a valid manifest pointer ({exc})") from exc
         for path in (current.bloom, current.usage):
             if snapshot_generation(path) is None or ".." in path:

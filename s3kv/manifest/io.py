@@ -77,15 +77,15 @@ class ManifestIO:
         self._count()
         return self.backend.put(self.root + path, data, if_absent=if_absent)
 
-    def delete(self, paths: Collection[str]) -> int:
-        """Delete ``paths``; returns how many the server reported deleted."""
+    def delete(self, paths: Collection[str]) -> list[str]:
+        """Delete ``paths``; returns those the server reported deleted (relative paths)."""
         if not paths:
-            return 0
+            return []
         self._count(-(-len(paths) // DELETE_BATCH))
         result = self.backend.delete_many([self.root + path for path in paths])
         for key, reason in list(result.failed.items())[:3]:
             logger.warning("s3kv manifest: could not delete %s: %s", key, reason)
-        return len(result.deleted)
+        return [key[len(self.root) :] for key in result.deleted if key.startswith(self.root)]
 
     def list_dir(self, directory: str, start_after: str | None = None) -> Iterator[tuple[str, int]]:
         """``(name relative to directory, size)`` of the objects under ``directory``."""

@@ -67,6 +67,8 @@ _DEFAULT_FLUSH_KEYS: Final = 4096
 _PENDING_FACTOR: Final = 8
 #: Entries a refresh applies one by one before it jumps to the newest.
 _CATCH_UP: Final = 4
+#: The first growth partition is sized from the snapshot, up to this many keys.
+_MAX_GROWTH: Final = 1 << 24
 #: Segment names remembered in format-1 mode (names seen are skipped).
 _MAX_SEEN: Final = 1_000_000
 
@@ -159,6 +161,7 @@ class Manifest:
         self._lock = threading.Lock()  # pending records, counters
         self._flush_lock = threading.Lock()
         self._refresh_lock = threading.Lock()
+        self._compact_lock = threading.Lock()  # the Compactor is driven by one caller at a time
         self._queue = RecordQueue(_PENDING_FACTOR * _DEFAULT_FLUSH_KEYS)
         self._inflight: list[bytes] = []  # write keys of the flush in progress
         self._flush_keys = _DEFAULT_FLUSH_KEYS
@@ -308,7 +311,7 @@ class Manifest:
         with self._lock:
             # NOTE: added under self._lock so that a concurrent Bloom reload (which re-adds
             # pending writes under the same lock) cannot lose it. add() validates the key.
-            self._filter.add(record[0])
+            self._filter.add_local([record[0]])
             self._queue.append(record)
             self._maybe_wake()
 
@@ -414,35 +417,38 @@ class Manifest:
     def _refresh(self) -> int:
         entry = self._entry
         if entry is None:
-            latest = self._read_entry(self._log.latest)
-            self._no_log = latest is None
+            latest = self._log.latest()  # NOTE: walks back past corrupt entries itself
+            # Only a log that is really empty lets this instance start one (and migrate).
+            self._no_log = latest is None and not self._log.versions_after(0)
             if latest is None:
                 return self._read_segments_v1()
             return self._apply(latest)
-        added = 0
+        added, probe = 0, self.version + 1
         for _ in range(_CATCH_UP):
-            nxt = self._read_entry(lambda: self._log.read(self.version + 1))
+            try:
+                nxt = self._log.read(probe)
+            except CodecError as exc:
+                self._count_corrupt_entry(exc)
+                probe += 1  # NOTE: a corrupt entry occupies its number; the next may follow
+                continue
             if nxt is None:
                 if self._monotonic() - self._entry_seen_at < entry.lease_s / 2:
                     return added
                 # NOTE: a live compactor publishes every lease/3: this long without news, the
                 # next entry may have been swept while this instance was paused. The hint
                 # (one GET) tells a stale reader from a quiet log.
-                if self._log.hint() <= self.version + 1:
+                if self._log.hint() <= probe:
                     return added
                 break
             added += self._apply(nxt)
-        latest = self._read_entry(self._log.latest)  # far behind: jump to the newest
+            probe = self.version + 1
+        latest = self._log.latest()  # far behind: jump to the newest
         return added + (self._apply(latest) if latest is not None else 0)
 
-    def _read_entry(self, read: Callable[[], LogEntry | None]) -> LogEntry | None:
-        try:
-            return read()
-        except CodecError as exc:
-            with self._lock:
-                self._counters["snapshots_corrupt"] += 1
-            self._log_once("entry", "s3kv manifest: skipping a corrupt log entry (%s)", exc.kind)
-            return None
+    def _count_corrupt_entry(self, exc: CodecError) -> None:
+        with self._lock:
+            self._counters["snapshots_corrupt"] += 1
+        self._log_once("entry", "s3kv manifest: skipping a corrupt log entry (%s)", exc.kind)
 
     def apply(self, entry: LogEntry) -> int:
         """Apply an entry this process published (the compactor's); returns keys added."""
@@ -469,7 +475,13 @@ class Manifest:
             for d in entry.deltas
             if d.path not in self._loaded_deltas and not (d.merged and consecutive)
         ]
-        added = self._load_deltas(self._filter, [d.path for d in fresh])
+        batches = self._fetch_deltas([d.path for d in fresh])
+        if any(batch is None for batch in batches):
+            # NOTE: a delta gone (a snapshot superseded it) or unreadable: skipping it would
+            # leave its keys out until the next snapshot; rebuild from the newest entry.
+            newest = self._log.latest()
+            return self._reload(newest if newest and newest.version > entry.version else entry)
+        added = self._add_deltas(self._filter, batches)
         self._set_entry(entry, {d.path for d in entry.deltas})
         return added
 
@@ -496,7 +508,7 @@ class Manifest:
                 self._fpr,
                 filters,
                 snapshot.shard_bits,
-                growth_capacity=max(self._capacity, snapshot.keys // 8),
+                growth_capacity=min(max(self._capacity, snapshot.keys // 8), _MAX_GROWTH),
             )
         added = self._add_deltas(built, batches)
         with self._lock:
@@ -504,7 +516,7 @@ class Manifest:
             # NOTE: writes recorded meanwhile are pending or in flight: keep them.
             writes = self._queue.write_keys() + self._inflight
             if writes:
-                built.add_many(writes)
+                built.add_local(writes)
             self._filter = built
             self._counters["reloads"] += 1
         self._set_entry(entry, set(paths))
@@ -584,6 +596,10 @@ class Manifest:
         compactor = self._compactor
         if compactor is None:
             return "off"
+        with self._compact_lock:
+            return self._compact_once(compactor)
+
+    def _compact_once(self, compactor: Compactor) -> str:
         try:
             entry = self._entry
             if compactor.holds(entry):
@@ -721,16 +737,26 @@ class Manifest:
             thread.join(timeout)
         if flush:
             self.flush()
-        compactor, entry = self._compactor, self._entry
-        if compactor is not None and entry is not None and compactor.holds(entry):
-            # NOTE: one last cycle folds what was just flushed, so the next instance (a
-            # redeploy) sees every block at startup instead of after the next compaction.
-            try:
+        compactor = self._compactor
+        if compactor is None:
+            return
+        # NOTE: a compactor thread still in a cycle (the join timed out) owns the Compactor:
+        # leave the lease to expire rather than race it (the other instances take over).
+        if not self._compact_lock.acquire(timeout=0 if timeout is not None else 30.0):
+            logger.warning("s3kv manifest: a compaction is still running; lease not released")
+            return
+        try:
+            entry = self._entry
+            if entry is not None and compactor.holds(entry):
+                # NOTE: one last cycle folds what was just flushed, so the next instance (a
+                # redeploy) sees every block at startup instead of after the next compaction.
                 last = compactor.cycle(entry).entry
                 if last is not None:
                     compactor.release(last)
-            except (StorageError, CodecError) as exc:
-                self._log_once("release", "s3kv manifest: lease not released (%s)", exc.kind)
+        except (StorageError, CodecError) as exc:
+            self._log_once("release", "s3kv manifest: lease not released (%s)", exc.kind)
+        finally:
+            self._compact_lock.release()
 
     def stats(self) -> dict[str, float]:
         """Counters and gauges, by name (all present from the start, 0 until counted).

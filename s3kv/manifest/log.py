@@ -39,10 +39,17 @@ __all__ = [
 LOG_FORMAT: Final = 2
 LOG_DIR: Final = "log/"
 LATEST_NAME: Final = "LATEST"
+#: Corrupt entries at the tip a reader walks back over before giving up.
+_WALK_BACK: Final = 8
 #: Forward probes from the hint before a reader lists the log instead.
 _PROBES: Final = 3
 _LOG_RE: Final = re.compile(r"^(\d{20})\.json$")
 _PATH_RE: Final = re.compile(r"^(snapshots|deltas)/[A-Za-z0-9._-]+(/[A-Za-z0-9._-]+)?$")
+#: Bounds a hostile or corrupt entry cannot pass (versions, leases, shard sizes, widths).
+_MAX_VERSION: Final = 10**18
+_MAX_LEASE_S: Final = 7 * 86400.0
+_MAX_SHARD_KEYS: Final = 1 << 32
+_FP_BITS: Final = frozenset({8, 16, 24, 32})
 #: An entry is small (a few KB plus the folded segment names); refuse absurd ones.
 _MAX_ENTRY_BYTES: Final = 64 * 1024 * 1024
 
@@ -241,10 +248,24 @@ class LogEntry:
             )
         except (UnsupportedVersionError, CodecError):
             raise
-        except (UnicodeDecodeError, ValueError, KeyError, TypeError) as exc:
+        except (
+            UnicodeDecodeError,
+            ValueError,
+            KeyError,
+            TypeError,
+            OverflowError,
+            RecursionError,
+        ) as exc:
             raise CodecError(f"log entry: not a valid manifest log entry ({exc})") from exc
-        if entry.version < 1 or not entry.lease_s > 0:
+        if not 1 <= entry.version < _MAX_VERSION or not 0 < entry.lease_s <= _MAX_LEASE_S:
             raise CodecError(f"log entry: bad version {entry.version} or lease {entry.lease_s}")
+        snap = entry.snapshot
+        if snap is not None and (
+            snap.fp_bits not in _FP_BITS
+            or not 0 <= snap.generation < _MAX_VERSION
+            or any(n > _MAX_SHARD_KEYS for n in snap.shard_keys)
+        ):
+            raise CodecError(f"log entry: implausible snapshot {snap.path}")
         return entry
 
 
@@ -272,9 +293,10 @@ class ManifestLog:
         """The version ``LATEST`` names (0 when absent or unreadable)."""
         data = self.io.get(LATEST_NAME)
         try:
-            return max(0, int(json.loads(data)["version"])) if data else 0
-        except (ValueError, KeyError, TypeError):
-            return 0
+            value = json.loads(data)["version"] if data else 0
+            return value if isinstance(value, int) and 0 <= value < _MAX_VERSION else 0
+        except (ValueError, KeyError, TypeError, OverflowError, RecursionError):
+            return 0  # NOTE: a hint is only a hint: a bad one costs a listing
 
     def latest(self) -> LogEntry | None:
         """The newest entry: the hint, probed forward; a listing when the hint lags far.
@@ -282,24 +304,33 @@ class ManifestLog:
         Requests: 2 (hint and its entry) + 1 per newer entry found, at most
         ``3`` probes before one listing page from the hint.
         """
-        version = self.hint()
-        entry = self.read(version) if version else None
-        if version and entry is None:
-            version = 0  # the hint names a deleted entry: list instead
-        for _ in range(_PROBES):
-            newer = self.read(version + 1)
-            if newer is None:
-                return entry if version else self._listed_latest(0)
-            entry, version = newer, version + 1
+        try:
+            version = self.hint()
+            entry = self.read(version) if version else None
+            if version and entry is None:
+                version = 0  # the hint names a deleted entry: list instead
+            for _ in range(_PROBES):
+                newer = self.read(version + 1)
+                if newer is None:
+                    return entry if version else self._listed_latest(0)
+                entry, version = newer, version + 1
+        except CodecError:
+            return self._listed_latest(0)  # NOTE: a corrupt entry on the way: walk back
         return self._listed_latest(version) or entry
 
     def _listed_latest(self, after: int) -> LogEntry | None:
-        newest = 0
-        for name, _size in self.io.list_dir(LOG_DIR, f"{after:020d}" if after else None):
-            found = log_version(name)
-            if found is not None:
-                newest = max(newest, found)
-        return self.read(newest) if newest else None
+        """The newest *valid* entry after ``after`` (a corrupt tip is skipped, a few deep)."""
+        start = f"{after:020d}" if after else None
+        found = (log_version(name) for name, _ in self.io.list_dir(LOG_DIR, start))
+        versions = sorted((v for v in found if v is not None), reverse=True)
+        for version in versions[:_WALK_BACK]:
+            try:
+                entry = self.read(version)
+            except CodecError:
+                continue
+            if entry is not None:
+                return entry
+        return None
 
     def append(self, entry: LogEntry) -> bool:
         """Create ``entry`` if its version is free; ``False`` when another writer has it.
@@ -314,6 +345,11 @@ class ManifestLog:
         with contextlib.suppress(StorageError):
             self.io.put(LATEST_NAME, payload)
         return True
+
+    def versions_after(self, version: int) -> list[int]:
+        """Versions present after ``version``, ascending (one listing request per 1000)."""
+        found = (log_version(n) for n, _ in self.io.list_dir(LOG_DIR, f"{version:020d}.json"))
+        return sorted(v for v in found if v is not None and v > version)
 
     def versions(self) -> list[int]:
         """Every version present, ascending (one listing request per 1000)."""

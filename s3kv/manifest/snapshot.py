@@ -117,9 +117,13 @@ def coalesce(records: Records) -> Records:
 
 
 def write_delta(io: ManifestIO, path: str, records: Records) -> None:
-    """PUT a delta object (create-if-absent: a path is never written twice)."""
-    if not io.put(path, encode_records(records), if_absent=True):
-        raise CodecError(f"delta {path} already exists")
+    """PUT a delta object.
+
+    Paths carry the writing term's random token and the version it is for, so only this
+    term ever writes one; writing it again (a retry after a publish that failed) is safe
+    because no published entry can name it yet.
+    """
+    io.put(path, encode_records(records))
 
 
 def read_delta(io: ManifestIO, path: str) -> Records | None:
@@ -209,6 +213,7 @@ def write_snapshot(
     base_rows: Records | None = None,
     listing: Sequence[tuple[bytes, int, float]] = (),
     drop: Collection[bytes] = (),
+    after_shard: Callable[[], None] | None = None,
 ) -> tuple[SnapshotRef, int]:
     """Fold ``records`` (and ``listing``, minus ``drop``) into ``base``; write the shards.
 
@@ -216,13 +221,14 @@ def write_snapshot(
 
     Streams shard by shard: memory is one shard's rows plus ``records``. ``base_rows`` is
     a base given whole instead of a snapshot (migrating a format-1 ``usage.bin``).
-    Objects are created with conditional PUTs under the new ``path``, so nothing a reader
+    ``after_shard`` is called after each shard is written (the compactor heartbeats there).
+    Objects are written under the new ``path`` (this term's token), so nothing a reader
     can see changes until a log entry names the result.
 
     Raises:
         StorageError: a request failed (the new objects are orphans; compaction deletes
             them after the grace period).
-        CodecError: a base shard is corrupt or one of the new paths exists.
+        CodecError: a base shard is corrupt.
     """
     estimate = (base.keys if base else 0) + len(records) + len(listing)
     if base_rows is not None:
@@ -255,12 +261,12 @@ def write_snapshot(
         dropped += len(live) - len(folded)
         usage_blob = encode_usage(folded)
         filter_blob = XorFilter.build(folded["key"], fp_bits).to_bytes()
-        ok = io.put(ref.usage_path(shard), usage_blob, if_absent=True) and io.put(
-            ref.filter_path(shard), filter_blob, if_absent=True
-        )
-        if not ok:
-            raise CodecError(f"snapshot shard {shard} under {path} already exists")
+        # NOTE: plain PUTs: the path names this term's token (see write_delta).
+        io.put(ref.usage_path(shard), usage_blob)
+        io.put(ref.filter_path(shard), filter_blob)
         counts.append(len(folded))
+        if after_shard is not None:
+            after_shard()
     return SnapshotRef(path, generation, bits, tuple(counts), fp_bits, created_at), dropped
 
 
