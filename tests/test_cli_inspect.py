@@ -99,13 +99,17 @@ def test_verify_finds_planted_corruption_and_deletes_it(bucket: Bucket) -> None:
     # A sample of 2 checks 2; deleting removes the bad objects and their manifest keys.
     assert parse_json(invoke(["verify", "--sample", "2", "--json", *bucket.args()]))[
         "checked"] == 2  # fmt: skip
-    cleaned = invoke(["verify", "--all", "--delete-corrupt", "--json", *bucket.args()])
-    assert cleaned.exit_code == 0, cleaned.output
-    assert all(f["deleted"] for f in parse_json(cleaned)["findings"])
-    assert bucket.block_keys() == {bucket.object_key(chain[0]), bucket.object_key(chain[4])}
+    # The junk key is not an s3kv block key: reported, never deleted (not ours); exit 1 says so.
+    cleaned = invoke(["verify", "--all", "--delete-corrupt", "--yes", "--json", *bucket.args()])
+    assert cleaned.exit_code == 1, cleaned.output
+    assert "not s3kv block keys" in cleaned.stderr
+    deleted = {f["key"] for f in parse_json(cleaned)["findings"] if f["deleted"]}
+    assert deleted == {flipped, foreign, moved}
+    assert bucket.block_keys() == {bucket.object_key(chain[0]), bucket.object_key(chain[4]), junk}
     usage = load_usage(bucket.backend, bucket.prefix, bucket.fingerprint)
     assert chain[1] not in usage
     assert chain[0] in usage
+    bucket.backend.delete_many([junk])
     assert invoke(["verify", "--all", *bucket.args()]).exit_code == 0
 
 

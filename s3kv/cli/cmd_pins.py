@@ -29,12 +29,13 @@ _BY_TEXT = "From prompt text (needs transformers)"
 
 KeysArg = Annotated[
     list[str] | None,
-    typer.Argument(help="Block keys (32 hex digits each).", show_default=False),
+    typer.Argument(metavar="KEY", help="Block keys (32 hex digits each).", show_default=False),
 ]
 TextOpt = Annotated[
     Path | None,
     typer.Option(
         "--text",
+        metavar="FILE",
         help="File holding the prompt text ('-' for stdin).",
         rich_help_panel=_BY_TEXT,
         allow_dash=True,
@@ -44,6 +45,7 @@ TokenizerOpt = Annotated[
     str | None,
     typer.Option(
         "--tokenizer",
+        metavar="NAME_OR_PATH",
         help="Tokenizer directory or Hugging Face model name.",
         rich_help_panel=_BY_TEXT,
     ),
@@ -52,6 +54,7 @@ TokensPerBlockOpt = Annotated[
     int | None,
     typer.Option(
         "--tokens-per-block",
+        metavar="N",
         min=1,
         rich_help_panel=_BY_TEXT,
         help="Tokens per block (default: from the fingerprint's identity.json).",
@@ -80,6 +83,13 @@ def pin(
 
     Name the blocks by key, or give prompt text and a tokenizer: every full block of the
     text is pinned. Exits 1 if no named block exists in any fingerprint in scope.
+
+    Examples:
+
+    ```
+    s3kv pin 0123456789abcdef0123456789abcdef
+    s3kv pin --text system-prompt.txt --tokenizer meta-llama/Llama-3.1-8B
+    ```
     """
     _set(common, _targets(keys, text, tokenizer, tokens_per_block, special_tokens), on=True)
 
@@ -93,7 +103,15 @@ def unpin(
     tokens_per_block: TokensPerBlockOpt = None,
     special_tokens: SpecialOpt = True,
 ) -> None:
-    """Undo pin (by key or by prompt text, as for pin)."""
+    """Undo pin (by key or by prompt text, as for pin).
+
+    Examples:
+
+    ```
+    s3kv unpin 0123456789abcdef0123456789abcdef
+    s3kv unpin --text system-prompt.txt --tokenizer meta-llama/Llama-3.1-8B
+    ```
+    """
     _set(common, _targets(keys, text, tokenizer, tokens_per_block, special_tokens), on=False)
 
 
@@ -180,7 +198,15 @@ def _render_set(con: Console, report: PinReport) -> None:
 def pins(
     common: Common,
 ) -> None:
-    """List pinned blocks."""
+    """List pinned blocks.
+
+    Examples:
+
+    ```
+    s3kv pins --model 'meta-llama/*'
+    s3kv pins --json
+    ```
+    """
     with common.session(write=False) as s:
         found = list_pins(s.backend, s.scope, prefix=s.prefix)
 

@@ -30,12 +30,14 @@ import typer
 
 from s3kv.cli.context import (
     BucketOpt,
+    CaBundleOpt,
     EndpointOpt,
     FingerprintOpt,
     JsonOpt,
     ModelOpt,
     PrefixOpt,
     ProfileOpt,
+    RegionOpt,
     Runtime,
     connect,
     load_config,
@@ -64,6 +66,8 @@ _CONNECTION_OPTIONS = (
     _option("prefix", PrefixOpt, None),
     _option("endpoint_url", EndpointOpt, None),
     _option("profile", ProfileOpt, None),
+    _option("region", RegionOpt, None),
+    _option("ca_bundle", CaBundleOpt, None),
     _option("json_out", JsonOpt, False),
 )
 _CTX = inspect.Parameter("ctx", inspect.Parameter.POSITIONAL_OR_KEYWORD, annotation=typer.Context)
@@ -99,7 +103,8 @@ class Common:
 
     Attributes:
         rt: The runtime seam (:class:`~s3kv.cli.context.Runtime`).
-        bucket, prefix, endpoint_url, profile: Connection overrides (``None``: not given).
+        bucket, prefix, endpoint_url, profile, region, ca_bundle: Connection overrides
+            (``None``: not given).
         json_out: ``--json``.
         model: ``--model`` (``None`` for any, or a command without scope options).
         fingerprint: ``--fingerprint`` values (``None``: all).
@@ -112,6 +117,8 @@ class Common:
     endpoint_url: str | None
     profile: str | None
     json_out: bool
+    region: str | None = None
+    ca_bundle: str | None = None
     model: str | None = None
     fingerprint: list[str] | None = None
     scoped: bool = True
@@ -123,6 +130,8 @@ class Common:
             "prefix": self.prefix,
             "endpoint_url": self.endpoint_url,
             "profile": self.profile,
+            "region": self.region,
+            "ca_bundle": self.ca_bundle,
         }
 
     def output(self) -> Output:
@@ -133,11 +142,15 @@ class Common:
     def session(self, *, write: bool) -> Iterator[Session]:
         """Settings, output, the checked bucket and the scope; the bucket closed on exit.
 
+        A read-only command (``write=False``) opens the bucket with ``conditional_put="off"``:
+        no conditional-PUT probe, so no scratch PUT and no warning with read-only credentials.
+
         Args:
             write: The command writes (see :func:`~s3kv.cli.context.connect`).
 
         Raises:
-            ConfigError: a bad setting, ``--model`` or ``--fingerprint``.
+            ConfigError: a bad setting, ``--model`` or ``--fingerprint``; nothing in scope (no
+                fingerprint under the prefix: a wrong ``--prefix`` or ``--bucket``).
             CommandError: no bucket configured.
             StorageError: the bucket is missing, denied or unreachable.
         """
@@ -149,7 +162,6 @@ class Common:
                 scope = resolve_scope(
                     backend, cfg.key_prefix, fingerprints=self.fingerprint or (), model=self.model
                 )
-                out.scope(scope, backend.description)
             yield Session(self.rt, cfg, out, backend, scope)
 
 

@@ -14,6 +14,7 @@ import sys
 import time
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Annotated
 
 import typer
@@ -23,6 +24,7 @@ from s3kv.storage import Backend, is_file_url, open_backend
 
 __all__ = [
     "BucketOpt",
+    "CaBundleOpt",
     "CommandError",
     "EndpointOpt",
     "FingerprintOpt",
@@ -30,6 +32,7 @@ __all__ = [
     "ModelOpt",
     "PrefixOpt",
     "ProfileOpt",
+    "RegionOpt",
     "Runtime",
     "connect",
     "load_config",
@@ -40,26 +43,56 @@ _CONNECTION = "Connection (default: the TLLM_S3KV_* settings and the AWS chain)"
 _SCOPE = "Scope (default: every fingerprint under the prefix)"
 
 BucketOpt = Annotated[
-    str | None, typer.Option("--bucket", help="Bucket name.", rich_help_panel=_CONNECTION)
+    str | None,
+    typer.Option("--bucket", metavar="NAME", help="Bucket name.", rich_help_panel=_CONNECTION),
 ]
 PrefixOpt = Annotated[
-    str | None, typer.Option("--prefix", help="Key prefix.", rich_help_panel=_CONNECTION)
+    str | None,
+    typer.Option("--prefix", metavar="PREFIX", help="Key prefix.", rich_help_panel=_CONNECTION),
 ]
 EndpointOpt = Annotated[
     str | None,
-    typer.Option("--endpoint-url", help="S3 endpoint URL.", rich_help_panel=_CONNECTION),
+    typer.Option(
+        "--endpoint-url", metavar="URL", help="S3 endpoint URL.", rich_help_panel=_CONNECTION
+    ),
 ]
 ProfileOpt = Annotated[
     str | None,
-    typer.Option("--profile", help="AWS shared-config profile.", rich_help_panel=_CONNECTION),
+    typer.Option(
+        "--profile", metavar="NAME", help="AWS shared-config profile.", rich_help_panel=_CONNECTION
+    ),
+]
+RegionOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--region",
+        metavar="REGION",
+        help="AWS region (default: the profile's or AWS_REGION).",
+        rich_help_panel=_CONNECTION,
+    ),
+]
+CaBundleOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--ca-bundle",
+        metavar="FILE",
+        help="CA bundle (PEM) for an endpoint with a private certificate authority.",
+        rich_help_panel=_CONNECTION,
+    ),
 ]
 JsonOpt = Annotated[
-    bool, typer.Option("--json", help="Print one JSON document to stdout instead of tables.")
+    bool,
+    typer.Option(
+        "--json",
+        help="Print one JSON document to stdout instead of tables (on failure: "
+        '{"error": ..., "command": ...}).',
+    ),
 ]
 ModelOpt = Annotated[
     str | None,
     typer.Option(
         "--model",
+        metavar="PATTERN",
         help="Only fingerprints whose identity.json model_id matches (shell wildcards).",
         rich_help_panel=_SCOPE,
     ),
@@ -67,7 +100,10 @@ ModelOpt = Annotated[
 FingerprintOpt = Annotated[
     list[str] | None,
     typer.Option(
-        "--fingerprint", help="Only this fingerprint (repeatable).", rich_help_panel=_SCOPE
+        "--fingerprint",
+        metavar="FINGERPRINT",
+        help="Only this fingerprint (repeatable).",
+        rich_help_panel=_SCOPE,
     ),
 ]
 
@@ -76,7 +112,8 @@ class CommandError(Exception):
     """An expected failure of a command: printed as one ``Error:`` line, no traceback.
 
     Attributes:
-        exit_code: The process exit status (2: usage, 1: operation refused or failed).
+        exit_code: The process exit status (2: usage, 1: operation refused or failed, 130:
+            interrupted at a prompt).
     """
 
     def __init__(self, message: str, exit_code: int = 2) -> None:
@@ -124,19 +161,26 @@ def load_config(
     prefix: str | None,
     endpoint_url: str | None,
     profile: str | None,
+    region: str | None = None,
+    ca_bundle: str | None = None,
 ) -> S3KVConfig:
     """Settings: defaults < ``TLLM_S3KV_CONFIG`` file < ``TLLM_S3KV_*`` env < flags.
 
     Raises:
         ConfigError: a setting is invalid (the message names it).
-        CommandError: no bucket is configured (a ``file://`` endpoint needs none).
+        CommandError: no bucket is configured (a ``file://`` endpoint needs none), or
+            ``--ca-bundle`` names no file.
     """
+    if ca_bundle is not None and not Path(ca_bundle).is_file():
+        raise CommandError(f"--ca-bundle: no such file: {ca_bundle}")
     cfg = S3KVConfig.load(
         environ=rt.environ,
         bucket=bucket,
         prefix=prefix,
         endpoint_url=endpoint_url,
         profile=profile,
+        region=region,
+        ca_bundle=ca_bundle,
     )
     if not cfg.bucket and not is_file_url(cfg.endpoint_url):
         raise CommandError("no bucket configured: pass --bucket or set TLLM_S3KV_BUCKET")

@@ -11,7 +11,8 @@ import contextlib
 import datetime
 import json
 import math
-from collections.abc import Callable, Iterator, Sized
+from collections.abc import Callable, Iterator
+from contextvars import ContextVar
 from typing import Any
 
 import typer
@@ -21,9 +22,19 @@ from rich.table import Table
 from s3kv.cli.context import Runtime
 from s3kv.ops import ProgressFn, no_progress
 
-__all__ = ["Output", "ago", "error_line", "human_bytes", "table"]
+__all__ = ["Output", "ago", "error_line", "human_bytes", "json_emitted", "table"]
 
 _PIPE_WIDTH = 200
+# NOTE: whether this run printed its JSON document: a failure after it (an unfinished prune)
+# must not print a second one (the error document), a failure before it must.
+_JSON_EMITTED: ContextVar[bool] = ContextVar("s3kv_json_emitted", default=False)
+
+
+def json_emitted(reset: bool = False) -> bool:
+    """Whether a JSON document went to stdout in this run; ``reset``: start a new run."""
+    if reset:
+        _JSON_EMITTED.set(False)
+    return _JSON_EMITTED.get()
 
 
 def error_line(message: object) -> str:
@@ -99,13 +110,9 @@ class Output:
         """Print ``document`` as JSON with ``--json``, else call ``render`` on stdout."""
         if self.json_mode:
             typer.echo(json.dumps(document, indent=2, sort_keys=True, default=_jsonable))
+            _JSON_EMITTED.set(True)
         else:
             render(self.console)
-
-    def scope(self, scope: Sized, where: str) -> None:
-        """Tell people when a command found nothing to act on."""
-        if not len(scope):
-            self.note(f"no s3kv fingerprints under {where}")
 
     def note(self, message: str) -> None:
         """A line for people on stderr (suppressed with ``--json``)."""

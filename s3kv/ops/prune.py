@@ -64,7 +64,7 @@ from typing import Any, Final, overload
 import numpy as np
 import numpy.typing as npt
 
-from s3kv.errors import CodecError, StorageError
+from s3kv.errors import AccessDeniedError, CodecError, StorageError
 from s3kv.keys import HASH_BYTES, BlockHash, block_object_key
 from s3kv.manifest import UNKNOWN_PARENT, Records, UsageTable, compact, load_usage
 from s3kv.ops import ProgressFn, no_progress
@@ -1097,7 +1097,9 @@ def _rewrite_manifest(
     try:
         report = compact(backend, prefix, manifest, fpr=fpr, clock=clock, drop_keys=drop)
     except (StorageError, CodecError) as exc:
-        return {"manifest_error": f"not rewritten ({exc}); re-run prune"}
+        # NOTE: a refused permission is not fixed by a re-run: do not advise one.
+        advice = "" if isinstance(exc, AccessDeniedError) else "; re-run prune"
+        return {"manifest_error": f"not rewritten ({exc}){advice}"}
     if report.lost_race:
         return {
             "manifest_error": "another compaction ran at the same time; re-run prune to drop keys"

@@ -213,14 +213,22 @@ def resolve_scope(
         model: A ``model_id`` or shell pattern (``--model``); ``None`` for any.
 
     Raises:
-        ConfigError: a malformed fingerprint, or ``--model``/``--fingerprint`` matches nothing
-            (the message lists what exists).
+        ConfigError: a malformed fingerprint, no fingerprint under ``prefix`` at all, or
+            ``--model``/``--fingerprint`` matches nothing (the message lists what exists).
         StorageError: the bucket failed.
     """
     for fp in fingerprints:
         if not _FINGERPRINT_RE.fullmatch(fp):
             raise ConfigError(f"--fingerprint: {fp!r} is not 32 lowercase hex digits")
     present = everything = list_fingerprints(backend, prefix)
+    if not everything:
+        # NOTE: an error, not an empty success: a nightly job with a wrong prefix or bucket
+        # must fail where someone sees it, not prune nothing forever.
+        raise ConfigError(
+            f"nothing in scope: no s3kv fingerprints under prefix {prefix!r} in "
+            f"{backend.description}: check --prefix and --bucket (engines write "
+            "<prefix>/<fingerprint>/...)"
+        )
     if fingerprints:
         missing = sorted(set(fingerprints) - set(present))
         if missing:

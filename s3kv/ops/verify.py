@@ -8,12 +8,15 @@ checks magic, version, header crc, lengths, the key binding and both checksums. 
   :class:`~s3kv.errors.TruncatedError`, :class:`~s3kv.errors.SizeMismatchError`).
 * ``foreign`` — not an s3kv object (bad magic), or an s3kv object written under another key
   (copied or renamed); also objects under ``blocks/`` whose key is not a block key (kind
-  ``not_a_block_key``: not fetched; engines never read them, prune never deletes them).
+  ``not_a_block_key``: not fetched; engines never read them, prune and verify never delete
+  them).
 * ``unsupported`` — another s3kv format version: a newer release may be writing it, so it
   is reported and never deleted.
 * ``gone`` — deleted between the listing and the GET (a concurrent prune): not a problem.
 
-With ``delete=True`` corrupt and foreign objects are deleted (batched), and the manifest
+With ``delete=True`` (or :func:`delete_findings` after a look at the report) corrupt and
+foreign objects whose key is an s3kv block key (:func:`deletable`) are deleted (batched):
+never an object of another tool, not even under ``blocks/``. Then the manifest
 snapshot describing them is rewritten without their keys, as prune does: a TP shard's is
 its layout's (:attr:`~s3kv.ops.scope.Fingerprint.manifest_fingerprint`), compacted once
 for all of its shards, and a key deleted from any shard is dropped from it. Engines
@@ -25,12 +28,13 @@ from __future__ import annotations
 import functools
 import random
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 
 from s3kv import codec
 from s3kv.errors import (
+    AccessDeniedError,
     BadMagicError,
     CodecError,
     KeyMismatchError,
@@ -41,9 +45,9 @@ from s3kv.keys import BlockHash, parse_block_object_key
 from s3kv.manifest import compact
 from s3kv.ops import ProgressFn, no_progress
 from s3kv.ops.scope import BlockObject, Fingerprint, list_blocks
-from s3kv.storage import Backend
+from s3kv.storage import Backend, DeleteResult
 
-__all__ = ["Finding", "VerifyReport", "verify_objects"]
+__all__ = ["Finding", "VerifyReport", "deletable", "delete_findings", "verify_objects"]
 
 _DELETABLE = frozenset({"corrupt", "foreign"})
 
@@ -83,6 +87,8 @@ class VerifyReport:
         findings: Every object that failed, with its verdict.
         delete_failures: ``(key, reason)`` for deletions the server refused.
         manifest_errors: Why a manifest snapshot was not rewritten after deletions.
+        blocks_by_fingerprint: Objects listed under block keys, per fingerprint (what the
+            share a deletion takes of a fingerprint's blocks is a share of).
     """
 
     listed: int
@@ -92,6 +98,7 @@ class VerifyReport:
     findings: tuple[Finding, ...]
     delete_failures: tuple[tuple[str, str], ...] = ()
     manifest_errors: tuple[str, ...] = ()
+    blocks_by_fingerprint: Mapping[str, int] = field(default_factory=dict)
 
     def count(self, verdict: str) -> int:
         """Findings with ``verdict``."""
@@ -136,9 +143,11 @@ def verify_objects(
     rng = random.Random(seed)
     chosen: list[tuple[str, BlockObject]] = []
     listed = 0
+    by_fingerprint: dict[str, int] = {}
     for fp in scope:
         objects = list(list_blocks(backend, prefix, fp.fingerprint))
         listed += len(objects)
+        by_fingerprint[fp.fingerprint] = sum(1 for obj in objects if obj.block is not None)
         if sample is not None and sample < len(objects):
             objects = rng.sample(objects, sample)
         chosen.extend((fp.fingerprint, obj) for obj in objects)
@@ -156,11 +165,47 @@ def verify_objects(
         ok=results.count("ok"),
         gone=results.count("gone"),
         findings=tuple(findings),
+        blocks_by_fingerprint=by_fingerprint,
     )
-    if delete and any(f.verdict in _DELETABLE for f in findings):
-        manifests = {fp.fingerprint: fp.manifest_fingerprint for fp in scope}
-        report = _delete(backend, report, prefix, manifests, fpr, clock)
+    if delete:
+        report = delete_findings(backend, report, scope, prefix=prefix, fpr=fpr, clock=clock)
     return report
+
+
+def deletable(findings: Iterable[Finding], prefix: str) -> list[Finding]:
+    """The findings a deletion removes: corrupt or foreign objects under an s3kv block key
+    of their own fingerprint (:func:`~s3kv.keys.parse_block_object_key`); never another
+    tool's object, nor one of another format version."""
+    found = []
+    for f in findings:
+        parsed = parse_block_object_key(prefix, f.key)
+        if f.verdict in _DELETABLE and parsed is not None and parsed[0] == f.fingerprint:
+            found.append(f)
+    return found
+
+
+def delete_findings(
+    backend: Backend,
+    report: VerifyReport,
+    scope: Sequence[Fingerprint],
+    *,
+    prefix: str,
+    fpr: float = 1e-6,
+    clock: Callable[[], float] = time.time,
+) -> VerifyReport:
+    """Delete the :func:`deletable` findings of ``report``, then drop their keys from the
+    manifests of ``scope`` (as ``verify_objects(delete=True)`` does).
+
+    A refused deletion (:class:`~s3kv.errors.AccessDeniedError`) is reported in
+    :attr:`VerifyReport.delete_failures`, with the reason, for every key.
+
+    Raises:
+        StorageError: the deletion failed for another reason than a refused permission.
+    """
+    if not deletable(report.findings, prefix):
+        return report
+    manifests = {fp.fingerprint: fp.manifest_fingerprint for fp in scope}
+    return _delete(backend, report, prefix, manifests, fpr, clock)
 
 
 def _check(backend: Backend, item: tuple[str, BlockObject]) -> Finding | str:
@@ -196,10 +241,13 @@ def _delete(
     fpr: float,
     clock: Callable[[], float],
 ) -> VerifyReport:
-    """Delete the corrupt and foreign objects, then drop their keys from the manifests
+    """Delete the corrupt and foreign s3kv objects, then drop their keys from the manifests
     (``manifests``: fingerprint -> its manifest's fingerprint)."""
-    doomed = [f for f in report.findings if f.verdict in _DELETABLE]
-    result = backend.delete_many([f.key for f in doomed])
+    doomed = deletable(report.findings, prefix)
+    try:
+        result = backend.delete_many([f.key for f in doomed])
+    except AccessDeniedError as exc:
+        result = DeleteResult(failed={f.key: str(exc) for f in doomed})
     gone = {f.key for f in doomed if f.key not in result.failed}
     manifest_errors = []
     by_manifest: dict[str, dict[BlockHash, None]] = {}
@@ -227,11 +275,8 @@ def _delete(
         Finding(f.key, f.fingerprint, f.verdict, f.kind, f.detail, f.size, f.key in gone)
         for f in report.findings
     )
-    return VerifyReport(
-        listed=report.listed,
-        checked=report.checked,
-        ok=report.ok,
-        gone=report.gone,
+    return replace(
+        report,
         findings=findings,
         delete_failures=tuple(result.failed.items()),
         manifest_errors=tuple(manifest_errors),
