@@ -2,7 +2,7 @@
 #   make demo        create the environment, start a local S3 server, run the demo, stop it
 #   make test        create the environment, run the whole suite
 #   make check       ruff + mypy (strict) + the layering and public-surface checks
-#   make bench-quick benchmark figures as JSON lines (< 5 minutes here)
+#   make bench-quick benchmark figures as JSON lines (about 2 minutes here)
 SHELL := /bin/bash
 PYTHON ?= python3
 VENV := .venv
