@@ -16,6 +16,7 @@ container and instance roles) supplies them, so they never appear in a config du
 from __future__ import annotations
 
 import dataclasses
+import ipaddress
 import os
 import re
 import sys
@@ -211,9 +212,26 @@ class S3KVConfig:
     )
     breaker_cooldown: float = _duration(30.0, "Time the breaker stays open before a probe.")
     # --- observability ---
-    metrics_port: int = _plain(0, "Serve Prometheus metrics on this port (0 = do not serve).")
+    metrics_port: int = _plain(
+        0,
+        "Serve Prometheus metrics on this port (0 = do not serve); one endpoint per process "
+        "(under TP rank r > 0 serves on this port + r).",
+    )
+    metrics_address: str = _plain(
+        "127.0.0.1",
+        "Address the metrics endpoint listens on: loopback by default; 0.0.0.0 or :: for a "
+        "scraper on another host or pod.",
+    )
+    log_level: str = _plain(
+        "",
+        "Level of the 's3kv' logger, set when a store opens: debug, info, warning, error or "
+        "critical; empty leaves it to the application's logging setup.",
+    )
 
     def __post_init__(self) -> None:
+        if isinstance(self.log_level, str):
+            # NOTE: frozen; normalised once so that INFO, Info and info are one setting.
+            object.__setattr__(self, "log_level", self.log_level.strip().lower())
         for f in fields(self):
             _validate_field(f.name, getattr(self, f.name), f.metadata)
         checks: list[tuple[bool, str]] = [
@@ -239,6 +257,8 @@ class S3KVConfig:
         for ok, message in checks:
             if not ok:
                 raise ConfigError(message)
+        _check_log_level(self.log_level)
+        _check_address(self.metrics_address)
         self.lora_revision_map()
 
     def lora_revision_map(self) -> dict[int, str]:
@@ -400,6 +420,38 @@ def _coerce(name: str, value: Any, annotation: Any, meta: Mapping[str, Any], sou
     return value
 
 
+#: Values of ``log_level`` (the ``logging`` levels by name; empty: leave the logger alone).
+LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
+_HOSTNAME_RE = re.compile(
+    r"^(?=.{1,253}$)[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?"
+    r"(?:\.[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?)*$"
+)
+
+
+def _check_log_level(value: object) -> None:
+    if value == "" or value in LOG_LEVELS:
+        return
+    raise ConfigError(
+        f"log_level: must be one of {', '.join(LOG_LEVELS)} (or empty to leave the s3kv "
+        f"logger to the application); got {value!r}"
+    )
+
+
+def _check_address(value: object) -> None:
+    if isinstance(value, str):
+        try:
+            ipaddress.ip_address(value)
+            return
+        except ValueError:
+            if _HOSTNAME_RE.match(value):
+                return
+    raise ConfigError(
+        "metrics_address: expected an IP address or host name to listen on, e.g. 127.0.0.1 "
+        "(loopback) or 0.0.0.0 (every interface), without a port (that is metrics_port); "
+        f"got {value!r}"
+    )
+
+
 def _validate_field(name: str, value: Any, meta: Mapping[str, Any]) -> None:
     choices: tuple[str, ...] = meta.get("choices", ())
     if choices and value not in choices:
@@ -417,6 +469,7 @@ __all__ = [
     "CodecName",
     "ConditionalPut",
     "ENV_PREFIX",
+    "LOG_LEVELS",
     "S3KVConfig",
     "SavePolicy",
     "parse_duration",

@@ -40,11 +40,12 @@ import numpy as np
 
 from s3kv import codec
 from s3kv._logonce import LogOnce
+from s3kv._logsetup import apply_log_level
 from s3kv.config import S3KVConfig
 from s3kv.errors import CodecError, SizeMismatchError, StorageError
 from s3kv.keys import BlockHash, ModelIdentity, block_object_key, identity_object_key
 from s3kv.manifest import CompactionPolicy, Manifest, UsageTable, load_usage
-from s3kv.metrics import Metrics, serve_prometheus
+from s3kv.metrics import Export, Metrics, exporter
 from s3kv.pool import IOPool, Priority
 from s3kv.staging import HostAllocator, HostBuffer, StagingCache
 from s3kv.storage import (
@@ -186,6 +187,12 @@ class KVStore:
         self._closed = False
         self._probing = False
         self._log_once = LogOnce(logger)
+        self._exports: list[Export] = []
+        self.metrics.set("staging_capacity_bytes", config.staging_bytes)
+        self.metrics.set("inflight_save_limit_bytes", config.max_inflight_save_bytes)
+        self.metrics.set("inflight_save_bytes", 0)
+        self.metrics.set("staging_bytes", self.staging.used_bytes)
+        self.metrics.set("staging_blocks", len(self.staging))
 
     # --- construction ---
 
@@ -206,10 +213,16 @@ class KVStore:
         ``manifest``: use that manifest (a view of one shared by the shards of a TP layout)
         instead of opening this fingerprint's own; its provider starts it.
 
+        The store's metrics join the process's exporter (labelled with its fingerprint and
+        shard, the identity's TP rank), and so does its manifest (once per manifest
+        fingerprint); with ``metrics_port`` set the process serves them on
+        ``metrics_address``. ``log_level``, when set, is applied to the ``s3kv`` logger.
+
         Raises:
             ConfigError: no bucket configured for S3.
             BucketNotFoundError, AccessDeniedError, EndpointError: one clear line each.
         """
+        apply_log_level(config.log_level)
         metrics = Metrics()
         breaker = CircuitBreaker(config.breaker_failures, config.breaker_cooldown)
         if backend is None:
@@ -254,8 +267,7 @@ class KVStore:
                 flush_interval=config.manifest_flush_interval,
                 flush_keys=config.manifest_flush_keys,
             )
-        if config.metrics_port:
-            serve_prometheus(metrics, config.metrics_port)
+        store.export(shard=identity.tp_rank)
         logger.info(
             "s3kv: opened %s fingerprint %s (%d manifest requests)",
             instrumented.description,
@@ -296,6 +308,21 @@ class KVStore:
                     self._probing = False
 
         self._pool.submit(Priority.PREFETCH, probe)
+
+    def export(self, *, shard: int = 0) -> None:
+        """Add this store's metrics (labels ``fingerprint``, ``shard``) and its manifest (under
+        the manifest's fingerprint) to the process's exporter, until :meth:`close`; serve them
+        if ``metrics_port`` is set. :meth:`open` does this; idempotent."""
+        registry = exporter()
+        with self._lock:
+            if self._exports or self._closed:
+                return
+            self._exports = [
+                registry.add_store(self.metrics, fingerprint=self.fingerprint, shard=str(shard)),
+                registry.add_manifest(self.manifest_fingerprint, self.manifest.stats),
+            ]
+        if self.config.metrics_port:
+            registry.serve(self.config.metrics_port, self.config.metrics_address)
 
     def _breaker_open(self) -> bool:
         breaker = self.backend.breaker
@@ -607,6 +634,10 @@ class KVStore:
             self._save_space.notify_all()
         pool_done = self._pool.shutdown(timeout=max(0.0, deadline - time.monotonic()))
         self.manifest.close(flush=True, timeout=max(0.0, deadline - time.monotonic()))
+        with self._lock:
+            exports, self._exports = self._exports, []
+        for export in exports:
+            export.close()
         if not (drained and pool_done):
             logger.warning("s3kv: close deadline passed with saves still in flight")
         return drained and pool_done

@@ -92,6 +92,21 @@ def _describe_layout(
         logger.warning("s3kv: cannot describe layout %s: %s", layout, exc)
 
 
+def _rank_metrics(config: S3KVConfig, rank: int) -> S3KVConfig:
+    """``config`` for rank ``rank``'s own process: it serves on ``metrics_port + rank``.
+
+    Rank 0's process serves every shard's store and the layout's manifest on
+    ``metrics_port``; the other ranks of the host would otherwise race it for that port.
+    """
+    if not config.metrics_port or rank == 0:
+        return config
+    port = config.metrics_port + rank
+    if port > 65535:
+        logger.warning("s3kv: rank %d does not serve metrics: port %d is out of range", rank, port)
+        return config.replace(metrics_port=0)
+    return config.replace(metrics_port=port)
+
+
 def _view_of(presence: ShardedPresence, shard: int, backend: Backend) -> ShardView:
     return presence.view(shard)
 
@@ -138,7 +153,9 @@ class ProcessState:
                 # NOTE: this rank reads no manifest (nor usage: warm start runs on rank 0) and
                 # cannot name the layout before the all-gather, so the store keeps its own.
                 source = ManifestSource(fingerprint, lambda _: new)
-                store = KVStore.open(config, identity, manifest=source)
+                store = KVStore.open(
+                    _rank_metrics(config, identity.tp_rank), identity, manifest=source
+                )
                 self.stores[fingerprint], self.relayed[fingerprint] = store, new
                 relayed = new
             return store, relayed

@@ -767,13 +767,16 @@ class Manifest:
         ``thread_errors``, ``compaction_cycles``, ``compaction_errors``, ``takeovers``,
         ``fenced``, ``requests``. Gauges: ``pending_records``, ``keys_in_filter``
         (inserts; an upper bound), ``bloom_bytes`` (every filter held), ``generation``,
-        ``version``, ``compactor`` (1 while holding the lease), ``open_requests``.
+        ``version``, ``compactor`` (1 while holding the lease), ``open_requests``, and
+        ``lag_seconds`` (since a new log entry was last applied; once one was).
         """
         with self._lock:
             values: dict[str, float] = dict.fromkeys(_COUNTERS, 0.0)
             values.update({name: float(value) for name, value in self._counters.items()})
             values["pending_records"] = float(len(self._queue))
             values["records_dropped"] = float(self._queue.dropped)
+            if self._entry is not None:
+                values["lag_seconds"] = self._monotonic() - self._entry_seen_at
         keyfilter = self._filter
         values["keys_in_filter"] = float(keyfilter.snapshot_keys + keyfilter.growth_keys)
         values["bloom_bytes"] = float(keyfilter.nbytes)

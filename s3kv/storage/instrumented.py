@@ -1,27 +1,35 @@
-"""A backend wrapper that counts requests, bytes and errors and feeds the circuit breaker."""
+"""A backend wrapper: counts and times requests, bytes and errors; feeds the circuit breaker."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterable, Iterator
 from typing import TypeVar
 
 from s3kv.errors import StorageError
 from s3kv.metrics import Metrics
 from s3kv.storage.base import DELETE_BATCH, Backend, DelegatingBackend, DeleteResult, ObjectInfo
-from s3kv.storage.breaker import NEUTRAL_KINDS, CircuitBreaker
+from s3kv.storage.breaker import NEUTRAL_KINDS, BreakerState, CircuitBreaker
 
 __all__ = ["InstrumentedBackend"]
 
 T = TypeVar("T")
+
+#: The ``breaker_state`` gauge's value per state (higher is worse).
+_BREAKER_VALUES = {BreakerState.CLOSED: 0.0, BreakerState.HALF_OPEN: 1.0, BreakerState.OPEN: 2.0}
 
 
 class InstrumentedBackend(DelegatingBackend):
     """Delegates to ``inner``; counts ``requests{op}``, ``request_errors{op,kind}`` and bytes.
 
     A ``list`` or ``list_dirs`` counts one request per page of 1000 names (as S3 bills it);
-    ``delete_many`` one per batch. With a ``breaker``, every request first asks it for
+    ``delete_many`` one per batch. Every request made is timed into the histogram
+    ``request_seconds{op}`` (a listing per page, a ``delete_many`` per call; requests the
+    breaker refused are not timed). With a ``breaker``, every request first asks it for
     admission (raising :class:`~s3kv.storage.breaker.CircuitOpenError` while open, without
-    touching the network) and reports its outcome to it.
+    touching the network) and reports its outcome to it; its state is the gauge
+    ``breaker_state`` (0 closed, 1 half-open, 2 open) and its openings the counter
+    ``breaker_trips``.
     """
 
     def __init__(
@@ -30,6 +38,9 @@ class InstrumentedBackend(DelegatingBackend):
         super().__init__(inner)
         self.metrics = metrics
         self.breaker = breaker
+        if breaker is not None:
+            metrics.watch("breaker_state", lambda: _BREAKER_VALUES[breaker.state])
+            metrics.watch("breaker_trips", lambda: breaker.trips, counter=True)
 
     @property
     def healthy(self) -> bool:
@@ -45,7 +56,11 @@ class InstrumentedBackend(DelegatingBackend):
             if self.breaker is not None:
                 self.breaker.before_request()
             self.metrics.inc("requests", count, op=op)
-            result = fn()
+            start = time.perf_counter()
+            try:
+                result = fn()
+            finally:
+                self.metrics.observe("request_seconds", time.perf_counter() - start, op=op)
         except StorageError as exc:
             self._failed(op, exc)
             raise
@@ -87,7 +102,8 @@ class InstrumentedBackend(DelegatingBackend):
 
     def _paged(self, op: str, items: Callable[[], Iterator[T]]) -> Iterator[T]:
         # NOTE: one request is counted per page of 1000 items (as S3 bills a listing), and
-        # the outcome reaches the breaker at the end.
+        # the outcome reaches the breaker at the end. Each page is timed from the time spent
+        # producing its items (not the caller's time between them).
         if self.breaker is not None:
             try:
                 self.breaker.before_request()
@@ -95,14 +111,32 @@ class InstrumentedBackend(DelegatingBackend):
                 self._failed(op, exc)
                 raise
         self.metrics.inc("requests", op=op)
+        spent = 0.0
         try:
-            for n, item in enumerate(items(), 1):
+            start = time.perf_counter()
+            iterator = iter(items())
+            spent = time.perf_counter() - start
+            n = 0
+            while True:
+                start = time.perf_counter()
+                try:
+                    item = next(iterator)
+                except StopIteration:
+                    break
+                finally:
+                    spent += time.perf_counter() - start
+                n += 1
                 if n % DELETE_BATCH == 0:
+                    self.metrics.observe("request_seconds", spent, op=op)
+                    spent = 0.0
                     self.metrics.inc("requests", op=op)
                 yield item
         except StorageError as exc:
             self._failed(op, exc)
             raise
+        finally:
+            # NOTE: the last page, also when the caller stopped early or it failed.
+            self.metrics.observe("request_seconds", spent, op=op)
         if self.breaker is not None:
             self.breaker.record_success()
 
