@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import logging
 import secrets
-import threading
 import time
 from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass
@@ -213,7 +212,6 @@ class Compactor:
         self._delta_cache: dict[str, Records] = {}
         self._last_publish = 0.0
         self._last_sweep = 0.0
-        self._lock = threading.Lock()
 
     # --- the lease ------------------------------------------------------------------------
 
@@ -501,12 +499,12 @@ class Compactor:
         step = 4 * PARALLEL_GETS
         for start in range(0, len(names), step):
             chunk = names[start : start + step]
-            for name, got in zip(chunk, parallel(self._read_segment, chunk), strict=True):
+            for name, got in zip(chunk, parallel(self.io.read_segment_checked, chunk), strict=True):
                 if got is False:
                     corrupt.append(name)
                     continue
                 folded.append(name)
-                if got is not None and got is not True:
+                if got is not None:
                     loaded.append(got)
                     records += len(got)
             if records >= self.policy.snapshot_cap:
@@ -514,13 +512,9 @@ class Compactor:
         new = coalesce(np.concatenate(loaded)) if loaded else np.zeros(0, RECORD_DTYPE)
         return folded, corrupt, new
 
-    def _read_segment(self, name: str) -> Records | bool | None:
-        """Records, ``None`` (vanished) or ``False`` (corrupt)."""
-        try:
-            return self.io.read_segment(name)
-        except CodecError as exc:
-            logger.warning("s3kv manifest: skipping corrupt segment %s (%s)", name, exc.kind)
-            return False
+    def cached_delta(self, path: str) -> Records | None:
+        """Records of a delta this term wrote and still names (no request), else ``None``."""
+        return self._delta_cache.get(path)
 
     def _delta_records(self, entry: LogEntry) -> list[Records]:
         """Records of ``entry``'s deltas (cached when this term wrote them)."""

@@ -40,6 +40,7 @@ from s3kv.errors import (
 
 __all__ = [
     "CURRENT_NAME",
+    "JSON_ERRORS",
     "KIND_HIT",
     "KIND_PIN",
     "KIND_UNPIN",
@@ -113,6 +114,17 @@ _INSTANCE_RE: Final = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
 _GENERATION_RE: Final = re.compile(r"^snapshots/(\d{10})/")
 
 Records = npt.NDArray[np.void]
+
+#: What parsing a hostile JSON object can raise: bad text, missing or mistyped fields, and
+#: numbers too large for an int (1e999) or nesting too deep for the parser.
+JSON_ERRORS: Final = (
+    UnicodeDecodeError,
+    ValueError,
+    KeyError,
+    TypeError,
+    OverflowError,
+    RecursionError,
+)
 
 
 # --- framing ----------------------------------------------------------------------------
@@ -300,14 +312,7 @@ class Current:
             )
         except UnsupportedVersionError:
             raise
-        except (
-            UnicodeDecodeError,
-            ValueError,
-            KeyError,
-            TypeError,
-            OverflowError,
-            RecursionError,
-        ) as exc:
+        except JSON_ERRORS as exc:
             raise CodecError(f"CURRENT: not a valid manifest pointer ({exc})") from exc
         for path in (current.bloom, current.usage):
             if snapshot_generation(path) is None or ".." in path:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable, Collection, Iterable, Iterator
-from typing import Final
+from typing import Final, Literal
 
 import numpy as np
 
@@ -30,7 +30,7 @@ from s3kv.manifest.format import (
     segment_time_ms,
     segments_start_after,
 )
-from s3kv.storage import DELETE_BATCH, Backend
+from s3kv.storage import DELETE_BATCH, Backend, ObjectInfo
 
 __all__ = ["ManifestIO", "SegmentWriter", "read_segments"]
 
@@ -87,24 +87,25 @@ class ManifestIO:
             logger.warning("s3kv manifest: could not delete %s: %s", key, reason)
         return [key[len(self.root) :] for key in result.deleted if key.startswith(self.root)]
 
-    def list_dir(self, directory: str, start_after: str | None = None) -> Iterator[tuple[str, int]]:
-        """``(name relative to directory, size)`` of the objects under ``directory``."""
+    def _listing(self, directory: str, start_after: str | None) -> Iterator[tuple[str, ObjectInfo]]:
+        """``(name relative to directory, info)``, counting one request per page of 1000."""
         base = self.root + directory
         self._count()
         after = None if start_after is None else base + start_after
         for seen, info in enumerate(self.backend.list(base, start_after=after), start=1):
             if seen % _LIST_PAGE == 0:
                 self._count()
-            yield info.key[len(base) :], info.size
+            yield info.key[len(base) :], info
+
+    def list_dir(self, directory: str, start_after: str | None = None) -> Iterator[tuple[str, int]]:
+        """``(name relative to directory, size)`` of the objects under ``directory``."""
+        for name, info in self._listing(directory, start_after):
+            yield name, info.size
 
     def list_modified(self, directory: str) -> Iterator[tuple[str, float]]:
         """``(name relative to directory, last modified epoch s)`` of its objects."""
-        base = self.root + directory
-        self._count()
-        for seen, info in enumerate(self.backend.list(base), start=1):
-            if seen % _LIST_PAGE == 0:
-                self._count()
-            yield info.key[len(base) :], info.last_modified
+        for name, info in self._listing(directory, None):
+            yield name, info.last_modified
 
     def read_current(self) -> Current | None:
         """The ``CURRENT`` pointer, or ``None`` if no compaction ever ran.
@@ -132,6 +133,14 @@ class ManifestIO:
         data = self.get(SEGMENTS_DIR + name)
         return None if data is None else decode_records(data)
 
+    def read_segment_checked(self, name: str) -> Records | Literal[False] | None:
+        """Like :meth:`read_segment`, but a corrupt segment is logged and gives ``False``."""
+        try:
+            return self.read_segment(name)
+        except CodecError as exc:
+            logger.warning("s3kv manifest: skipping corrupt segment %s (%s)", name, exc.kind)
+            return False
+
     def read_usage(self, current: Current) -> Records:
         """The usage table of ``current``'s snapshot.
 
@@ -154,13 +163,10 @@ def read_segments(io: ManifestIO, names: Iterable[str]) -> tuple[Records, list[s
     read: list[str] = []
     corrupt: list[str] = []
     for name in names:
-        try:
-            records = io.read_segment(name)
-        except CodecError as exc:
-            logger.warning("s3kv manifest: skipping corrupt segment %s (%s)", name, exc.kind)
+        records = io.read_segment_checked(name)
+        if records is False:
             corrupt.append(name)
-            continue
-        if records is not None:
+        elif records is not None:
             batches.append(records)
             read.append(name)
     records = np.concatenate(batches) if batches else np.zeros(0, RECORD_DTYPE)

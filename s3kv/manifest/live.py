@@ -522,13 +522,14 @@ class Manifest:
         self._set_entry(entry, set(paths))
         return added + (snapshot.keys if snapshot else 0)
 
-    def _load_deltas(self, into: KeyFilter, paths: list[str]) -> int:
-        return self._add_deltas(into, self._fetch_deltas(paths))
-
     def _fetch_deltas(self, paths: list[str]) -> list[Records | None]:
         """Delta records, fetched in parallel (``None``: gone or corrupt, counted)."""
 
         def one(path: str) -> Records | None:
+            # NOTE: the compactor instance applies its own entries: it has their deltas.
+            cached = self._compactor.cached_delta(path) if self._compactor else None
+            if cached is not None:
+                return cached
             try:
                 return read_delta(self._io, path)
             except CodecError as exc:
@@ -563,23 +564,18 @@ class Manifest:
     def _read_segments_v1(self) -> int:
         """No log yet: read every segment not read before (format 1, no compactor)."""
         names = [name for name, _ in self._io.segments(0) if name not in self._seen]
-
-        def one(name: str) -> Records | bool | None:
-            try:
-                return self._io.read_segment(name)
-            except CodecError:
-                return False
-
         added = 0
-        for name, records in zip(names, parallel(one, names), strict=True):
+        for name, records in zip(
+            names, parallel(self._io.read_segment_checked, names), strict=True
+        ):
             with self._lock:
                 if records is False:
                     self._counters["segments_corrupt"] += 1
-                elif records is not None and records is not True:
+                elif records is not None:
                     self._counters["segments_read"] += 1
                 if len(self._seen) < _MAX_SEEN:
                     self._seen.add(name)
-            if records is not None and records is not False and records is not True:
+            if records is not None and records is not False:
                 writes = records["key"][records["kind"] == KIND_WRITE]
                 self._filter.add_array(writes)
                 added += len(writes)

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Final
 
 from s3kv.errors import CodecError, StorageError, UnsupportedVersionError
+from s3kv.manifest.format import JSON_ERRORS
 from s3kv.manifest.io import ManifestIO
 
 __all__ = [
@@ -248,14 +249,7 @@ class LogEntry:
             )
         except (UnsupportedVersionError, CodecError):
             raise
-        except (
-            UnicodeDecodeError,
-            ValueError,
-            KeyError,
-            TypeError,
-            OverflowError,
-            RecursionError,
-        ) as exc:
+        except JSON_ERRORS as exc:
             raise CodecError(f"log entry: not a valid manifest log entry ({exc})") from exc
         if not 1 <= entry.version < _MAX_VERSION or not 0 < entry.lease_s <= _MAX_LEASE_S:
             raise CodecError(f"log entry: bad version {entry.version} or lease {entry.lease_s}")
@@ -295,7 +289,7 @@ class ManifestLog:
         try:
             value = json.loads(data)["version"] if data else 0
             return value if isinstance(value, int) and 0 <= value < _MAX_VERSION else 0
-        except (ValueError, KeyError, TypeError, OverflowError, RecursionError):
+        except JSON_ERRORS:
             return 0  # NOTE: a hint is only a hint: a bad one costs a listing
 
     def latest(self) -> LogEntry | None:
@@ -350,8 +344,3 @@ class ManifestLog:
         """Versions present after ``version``, ascending (one listing request per 1000)."""
         found = (log_version(n) for n, _ in self.io.list_dir(LOG_DIR, f"{version:020d}.json"))
         return sorted(v for v in found if v is not None and v > version)
-
-    def versions(self) -> list[int]:
-        """Every version present, ascending (one listing request per 1000)."""
-        found = (log_version(name) for name, _size in self.io.list_dir(LOG_DIR))
-        return sorted(v for v in found if v is not None)
