@@ -30,6 +30,9 @@ from s3kv.manifest import Manifest
 from s3kv.storage import Backend
 
 DAY = 86400.0
+#: Credentials of the `read_only_seaweedfs` fixture (tests/conftest.py): an admin and a reader.
+ADMIN = ("s3kv-admin", "admin-secret-0123456789")
+READ_ONLY = ("s3kv-reader", "reader-secret-0123456789")
 PREFIX = "kv"
 TOKENS_PER_BLOCK = 4
 SHAPE = (2, 2, 4, 8)  # layers, kv, tokens, head_dim: 128 bf16 = 256 bytes, as identity() says

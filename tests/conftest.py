@@ -92,6 +92,42 @@ def seaweedfs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalS3]:
 # ----------------------------------------------------------------------------------------
 
 
+@pytest.fixture(scope="session")
+def read_only_seaweedfs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalS3]:
+    """A SeaweedFS server with an admin identity and a read-only one (``cli_support``'s
+    ``ADMIN`` and ``READ_ONLY``), shared by the permission tests; stopped by its pid."""
+    import json
+
+    from cli_support import ADMIN, READ_ONLY
+
+    from s3kv.testing import local_s3
+
+    def write_identities(root: Path, access_key: str, secret_key: str) -> Path:
+        path = root / local_s3.IDENTITY_FILE
+        identities = [
+            {"name": "admin", "credentials": [{"accessKey": access_key, "secretKey": secret_key}],
+             "actions": ["Admin", "Read", "List", "Tagging", "Write"]},
+            {"name": "reader", "credentials": [{"accessKey": READ_ONLY[0],
+                                                "secretKey": READ_ONLY[1]}],
+             "actions": ["Read", "List"]},
+        ]  # fmt: skip
+        path.write_text(json.dumps({"identities": identities}))
+        return path
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(local_s3, "_write_identity", write_identities)
+        server = local_s3.LocalS3.start(
+            tmp_path_factory.mktemp("weed-ro"),
+            access_key=ADMIN[0],
+            secret_key=ADMIN[1],
+            die_with_parent=True,
+        )
+    try:
+        yield server
+    finally:
+        server.stop(grace=2.0)
+
+
 def unique_bucket() -> str:
     """A fresh valid bucket name (3+ lowercase characters, as SeaweedFS requires)."""
     return f"t-{uuid.uuid4().hex[:16]}"

@@ -6,7 +6,6 @@ identities, one of them read-only (SeaweedFS reads identities at startup only).
 
 from __future__ import annotations
 
-import json
 import socket
 import threading
 import time
@@ -16,14 +15,12 @@ from pathlib import Path
 import boto3
 import pytest
 from botocore.config import Config
-from cli_support import assert_one_error_line, invoke, parse_json
+from cli_support import READ_ONLY, assert_one_error_line, invoke, parse_json
 
 from s3kv.storage import S3Backend
 from s3kv.testing import local_s3
 from s3kv.testing._procutil import alive
 from s3kv.testing.local_s3 import LocalS3, free_port, stop_from_state
-
-READ_ONLY = ("s3kv-reader", "reader-secret-0123456789")
 
 
 def _checks(doc: dict[str, object]) -> dict[str, dict[str, object]]:
@@ -75,44 +72,14 @@ def test_doctor_reports_a_bad_setting(monkeypatch: pytest.MonkeyPatch) -> None:
     assert "io_threads" in check["detail"]
 
 
-@pytest.fixture(scope="module")
-def two_identity_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalS3]:
-    """A SeaweedFS server with an admin identity and a read-only one."""
-
-    def write_identities(root: Path, access_key: str, secret_key: str) -> Path:
-        path = root / local_s3.IDENTITY_FILE
-        identities = [
-            {"name": "admin", "credentials": [{"accessKey": access_key, "secretKey": secret_key}],
-             "actions": ["Admin", "Read", "List", "Tagging", "Write"]},
-            {"name": "reader", "credentials": [{"accessKey": READ_ONLY[0],
-                                                "secretKey": READ_ONLY[1]}],
-             "actions": ["Read", "List"]},
-        ]  # fmt: skip
-        path.write_text(json.dumps({"identities": identities}))
-        return path
-
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(local_s3, "_write_identity", write_identities)
-        server = LocalS3.start(
-            tmp_path_factory.mktemp("weed-ro"),
-            access_key="s3kv-admin",
-            secret_key="admin-secret-0123456789",
-            die_with_parent=True,
-        )
-    try:
-        yield server
-    finally:
-        server.stop(grace=2.0)
-
-
 @pytest.mark.seaweedfs
 def test_doctor_reports_denied_permissions(
-    two_identity_server: LocalS3, aws_env: None, monkeypatch: pytest.MonkeyPatch
+    read_only_seaweedfs: LocalS3, aws_env: None, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv("AWS_ACCESS_KEY_ID", READ_ONLY[0])
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", READ_ONLY[1])
-    args = ["--bucket", two_identity_server.bucket, "--endpoint-url",
-            two_identity_server.endpoint]  # fmt: skip
+    args = ["--bucket", read_only_seaweedfs.bucket, "--endpoint-url",
+            read_only_seaweedfs.endpoint]  # fmt: skip
     result = invoke(["doctor", "--json", *args])
     assert result.exit_code == 1, result.output
     checks = _checks(parse_json(result))
@@ -289,12 +256,12 @@ def test_doctor_tells_a_wrong_secret_from_an_unknown_key_id(
 
 @pytest.mark.seaweedfs
 def test_doctor_passes_a_read_only_identity_for_the_reader_role(
-    two_identity_server: LocalS3, aws_env: None, monkeypatch: pytest.MonkeyPatch
+    read_only_seaweedfs: LocalS3, aws_env: None, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv("AWS_ACCESS_KEY_ID", READ_ONLY[0])
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", READ_ONLY[1])
-    args = ["--bucket", two_identity_server.bucket, "--endpoint-url",
-            two_identity_server.endpoint]  # fmt: skip
+    args = ["--bucket", read_only_seaweedfs.bucket, "--endpoint-url",
+            read_only_seaweedfs.endpoint]  # fmt: skip
     reader = invoke(["doctor", "--json", "--role", "reader", *args])
     assert reader.exit_code == 0, reader.output
     checks = _checks(parse_json(reader))

@@ -13,14 +13,23 @@ from __future__ import annotations
 import json
 import re
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
 import typer
-from cli_support import DAY, Bucket, Clock, assert_one_error_line, invoke, parse_json
+from cli_support import (
+    ADMIN,
+    DAY,
+    READ_ONLY,
+    Bucket,
+    Clock,
+    assert_one_error_line,
+    invoke,
+    parse_json,
+)
 from typer.testing import CliRunner
 
 from s3kv.cli import safety
@@ -39,7 +48,6 @@ from s3kv.storage import (
     make_client,
     open_backend,
 )
-from s3kv.testing import local_s3
 from s3kv.testing.local_s3 import LocalS3
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -470,50 +478,17 @@ def test_json_error_document_is_one_document(bucket: Bucket) -> None:
 
 # --- a refused delete from a real server ---------------------------------------------------
 
-READ_ONLY = ("s3kv-reader", "reader-secret-0123456789")
-ADMIN = ("s3kv-admin", "admin-secret-0123456789")
-
-
-@pytest.fixture(scope="module")
-def read_only_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalS3]:
-    """A SeaweedFS server with an admin identity and a read-only one (read at startup)."""
-
-    def write_identities(root: Path, access_key: str, secret_key: str) -> Path:
-        path = root / local_s3.IDENTITY_FILE
-        identities = [
-            {"name": "admin", "credentials": [{"accessKey": access_key, "secretKey": secret_key}],
-             "actions": ["Admin", "Read", "List", "Tagging", "Write"]},
-            {"name": "reader", "credentials": [{"accessKey": READ_ONLY[0],
-                                                "secretKey": READ_ONLY[1]}],
-             "actions": ["Read", "List"]},
-        ]  # fmt: skip
-        path.write_text(json.dumps({"identities": identities}))
-        return path
-
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(local_s3, "_write_identity", write_identities)
-        server = LocalS3.start(
-            tmp_path_factory.mktemp("weed-ro"),
-            access_key=ADMIN[0],
-            secret_key=ADMIN[1],
-            die_with_parent=True,
-        )
-    try:
-        yield server
-    finally:
-        server.stop(grace=2.0)
-
 
 @pytest.mark.seaweedfs
 def test_a_read_only_identity_is_told_permission(
-    read_only_server: LocalS3, aws_env: None, monkeypatch: pytest.MonkeyPatch
+    read_only_seaweedfs: LocalS3, aws_env: None, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv("TLLM_S3KV_BLOOM_CAPACITY", "10000")
-    cfg = S3KVConfig(bucket=read_only_server.bucket, endpoint_url=read_only_server.endpoint,
+    cfg = S3KVConfig(bucket=read_only_seaweedfs.bucket, endpoint_url=read_only_seaweedfs.endpoint,
                      region="us-east-1", conditional_put="off")  # fmt: skip
     admin = S3Backend.from_config(cfg, client=make_client(cfg, access_key=ADMIN[0],
                                                           secret_key=ADMIN[1]))  # fmt: skip
-    bucket = Bucket(admin, read_only_server.endpoint, read_only_server.bucket)
+    bucket = Bucket(admin, read_only_seaweedfs.endpoint, read_only_seaweedfs.bucket)
     bucket.write_identity()
     s = Stale(bucket)
     monkeypatch.setenv("AWS_ACCESS_KEY_ID", READ_ONLY[0])
