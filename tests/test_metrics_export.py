@@ -78,6 +78,18 @@ def file_config(root: Path, **changes: Any) -> S3KVConfig:
     return S3KVConfig.load(environ={}, **base)
 
 
+def memory_store(config: S3KVConfig) -> KVStore:
+    """A store over an in-memory bucket with no background threads."""
+    return KVStore.open(
+        config,
+        identity(),
+        backend=MemoryBackend(),
+        allocator=NumpyAllocator(),
+        pool=IOPool(0),
+        start_background=False,
+    )
+
+
 def scrape(port: int, host: str = "127.0.0.1", accept: str | None = None) -> str:
     request = urllib.request.Request(f"http://{host}:{port}/metrics")
     if accept:
@@ -222,14 +234,7 @@ def test_the_address_setting_is_honoured() -> None:
             "TLLM_S3KV_METRICS_ADDRESS": host,
         }
     )
-    store = KVStore.open(
-        config,
-        identity(),
-        backend=MemoryBackend(),
-        allocator=NumpyAllocator(),
-        pool=IOPool(0),
-        start_background=False,
-    )
+    store = memory_store(config)
     try:
         text = scrape(port, host)
         assert f'fingerprint="{store.fingerprint}"' in text
@@ -395,14 +400,7 @@ def test_log_level_is_applied_to_the_s3kv_logger_only(s3kv_logger: logging.Logge
     root_level = logging.getLogger().level
     config = S3KVConfig.load(environ={"TLLM_S3KV_BUCKET": "t", "TLLM_S3KV_LOG_LEVEL": "DEBUG"})
     assert config.log_level == "debug"
-    store = KVStore.open(
-        config,
-        identity(),
-        backend=MemoryBackend(),
-        allocator=NumpyAllocator(),
-        pool=IOPool(0),
-        start_background=False,
-    )
+    store = memory_store(config)
     store.close()
     assert s3kv_logger.level == logging.DEBUG
     assert logging.getLogger().level == root_level, "the root logger is the application's"
@@ -421,14 +419,7 @@ def test_an_empty_log_level_leaves_the_logger_alone(s3kv_logger: logging.Logger)
     s3kv_logger.setLevel(logging.ERROR)
     config = S3KVConfig.load(environ={"TLLM_S3KV_BUCKET": "t"})
     assert config.log_level == ""
-    KVStore.open(
-        config,
-        identity(),
-        backend=MemoryBackend(),
-        allocator=NumpyAllocator(),
-        pool=IOPool(0),
-        start_background=False,
-    ).close()
+    memory_store(config).close()
     assert s3kv_logger.level == logging.ERROR
 
 
