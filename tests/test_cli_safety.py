@@ -36,7 +36,7 @@ from s3kv.cli import safety
 from s3kv.cli.app import app
 from s3kv.cli.context import CommandError, Runtime
 from s3kv.config import S3KVConfig
-from s3kv.errors import AccessDeniedError
+from s3kv.errors import AccessDeniedError, StorageError
 from s3kv.keys import BlockHash
 from s3kv.manifest import load_usage
 from s3kv.storage import (
@@ -307,6 +307,22 @@ def test_verify_dry_run_deletes_nothing(bucket: Bucket) -> None:
     assert bucket.block_keys() == before
     human = invoke(["verify", "--all", "--delete-corrupt", "--dry-run", *args(bucket)])
     assert "would delete 3 objects" in human.stdout
+
+
+def test_verify_fails_when_the_manifest_is_not_rewritten(
+    bucket: Bucket, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    chain = bucket.chain(range(20))
+    bucket.write_chain(chain, Clock(time.time()))
+    _corrupt(bucket, chain[1:2])
+
+    def refused(*_args: Any, **_kwargs: Any) -> Any:
+        raise StorageError("injected: the manifest rewrite failed")
+
+    monkeypatch.setattr("s3kv.ops.verify.compact", refused)
+    run = invoke(["verify", "--all", "--delete-corrupt", "--yes", *args(bucket)])
+    assert_one_error_line(run, "manifest not rewritten", "s3kv compact", code=1)
+    assert bucket.object_key(chain[1]) not in bucket.block_keys()
 
 
 def test_verify_confirms_like_prune_and_deletes_only_s3kv_keys(bucket: Bucket) -> None:

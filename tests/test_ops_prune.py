@@ -16,7 +16,7 @@ from cli_support import DAY, PREFIX, Bucket, Clock
 from s3kv.errors import StorageError
 from s3kv.keys import ROOT_HASH, BlockHash, block_object_key
 from s3kv.manifest import UNKNOWN_PARENT, USAGE_DTYPE, Records, UsageTable, load_usage
-from s3kv.ops import prune
+from s3kv.ops import prune, scope
 from s3kv.ops.prune import BlockHashes, BlockObjects, Tally, execute_prune, plan_prune
 from s3kv.ops.scope import BlockObject, Fingerprint, blocks_prefix, resolve_scope
 from s3kv.storage import DelegatingBackend, DeleteResult, MemoryBackend
@@ -271,7 +271,7 @@ def test_plan_and_execute_match_the_per_key_reference(
     monkeypatch.setattr(prune, "compact", fake_compact)
     for seed in range(250):
         rows, objects, cutoff = _scenario(seed)
-        monkeypatch.setattr(prune, "load_usage", lambda *_, rows=rows: UsageTable(rows))
+        monkeypatch.setattr(scope, "load_usage", lambda *_, rows=rows: UsageTable(rows))
         monkeypatch.setattr(prune, "list_blocks", lambda *_, objects=objects: iter(objects))
         now = cutoff + WEEK
         plan = plan_prune(MemoryBackend(), PREFIX, [Fingerprint(FP)], older_than=WEEK,
@@ -374,7 +374,7 @@ def test_planning_memory_is_tens_of_bytes_a_key(monkeypatch: pytest.MonkeyPatch)
             hex_hash = block.hex()
             yield BlockObject(f"{head}{hex_hash[:2]}/{hex_hash}", block, 1 << 20, 1.0)
 
-    monkeypatch.setattr(prune, "load_usage", lambda *_: UsageTable(rows))
+    monkeypatch.setattr(scope, "load_usage", lambda *_: UsageTable(rows))
     monkeypatch.setattr(prune, "list_blocks", listing)
     tracemalloc.start()
     try:

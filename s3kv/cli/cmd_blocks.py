@@ -510,6 +510,11 @@ def verify(
         raise delete_denied(len(failures), where=_where(s))
     if report.remaining:
         raise CommandError(_verify_problem(report, doomed, delete_corrupt, dry_run), 1)
+    if report.manifest_errors:
+        # NOTE: the objects are gone but the manifest still advertises them: not a success.
+        raise CommandError(
+            f"{report.manifest_errors[0]}: run `s3kv compact` to drop the deleted keys", 1
+        )
 
 
 def _confirm_verify(

@@ -34,7 +34,7 @@ from s3kv.errors import CodecError
 from s3kv.keys import HASH_BYTES
 from s3kv.manifest import CompactionReport, compact
 from s3kv.ops import ProgressFn, no_progress
-from s3kv.ops.scope import Fingerprint, list_blocks
+from s3kv.ops.scope import Fingerprint, first_per_manifest, list_blocks
 from s3kv.storage import Backend
 
 __all__ = ["CompactAllReport", "compact_scope"]
@@ -87,9 +87,7 @@ def compact_scope(
             replaced is unchanged).
         CodecError: a snapshot is unreadable and ``full`` is off (the message says so).
     """
-    targets: dict[str, tuple[str, ...]] = {}
-    for fp in scope:
-        targets.setdefault(fp.manifest_fingerprint, fp.manifest_shards)
+    targets = {fp.manifest_fingerprint: fp.manifest_shards for fp in first_per_manifest(scope)}
     reports: list[tuple[str, CompactionReport]] = []
     for done, (manifest, shards) in enumerate(targets.items(), start=1):
         listing = _listing(backend, prefix, shards) if full else None

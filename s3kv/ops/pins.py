@@ -30,7 +30,7 @@ from typing import Protocol
 
 import numpy as np
 
-from s3kv.errors import CodecError, ConfigError, KeyDerivationError
+from s3kv.errors import ConfigError, KeyDerivationError
 from s3kv.keys import HASH_BYTES, ROOT_HASH, BlockHash, block_object_key, chain_hashes
 from s3kv.manifest import (
     KIND_PIN,
@@ -40,10 +40,8 @@ from s3kv.manifest import (
     UNKNOWN_PARENT,
     ManifestIO,
     SegmentWriter,
-    UsageTable,
-    load_usage,
 )
-from s3kv.ops.scope import Fingerprint
+from s3kv.ops.scope import Fingerprint, first_per_manifest, load_usage_checked
 from s3kv.storage import Backend
 
 __all__ = [
@@ -213,17 +211,10 @@ def set_pins(
         ConfigError: ``targets_for`` refused a fingerprint (for example no block size).
     """
     outcomes = [
-        _set_one(backend, prefix, fp, targets_for(fp), pin, clock) for fp in _by_manifest(scope)
+        _set_one(backend, prefix, fp, targets_for(fp), pin, clock)
+        for fp in first_per_manifest(scope)
     ]
     return PinReport(pin=pin, outcomes=tuple(outcomes))
-
-
-def _by_manifest(scope: Sequence[Fingerprint]) -> list[Fingerprint]:
-    """The first fingerprint of ``scope`` using each manifest, in order."""
-    first: dict[str, Fingerprint] = {}
-    for fp in scope:
-        first.setdefault(fp.manifest_fingerprint, fp)
-    return list(first.values())
 
 
 def _set_one(
@@ -235,7 +226,7 @@ def _set_one(
     clock: Callable[[], float],
 ) -> PinOutcome:
     manifest = fp.manifest_fingerprint
-    usage = _usage(backend, prefix, manifest)
+    usage = load_usage_checked(backend, prefix, manifest)
     now = clock()
     rows: list[tuple[bytes, bytes, float, int, int, int]] = []
     unchanged = adopted = missing = 0
@@ -273,16 +264,6 @@ def _stored_size(
             return None
         size = max(size, info.size)
     return size
-
-
-def _usage(backend: Backend, prefix: str, fingerprint: str) -> UsageTable:
-    try:
-        return load_usage(backend, prefix, fingerprint)
-    except CodecError as exc:
-        raise CodecError(
-            f"the manifest snapshot of {fingerprint} is unreadable ({exc}): rebuild it with "
-            f"`s3kv compact --full --fingerprint {fingerprint}`"
-        ) from exc
 
 
 def _write_segment(
@@ -329,8 +310,8 @@ def list_pins(backend: Backend, scope: Sequence[Fingerprint], *, prefix: str) ->
         StorageError: the bucket failed.
     """
     found: list[PinnedBlock] = []
-    for fp in _by_manifest(scope):
-        rows = _usage(backend, prefix, fp.manifest_fingerprint).rows
+    for fp in first_per_manifest(scope):
+        rows = load_usage_checked(backend, prefix, fp.manifest_fingerprint).rows
         for row in rows[rows["pinned"] != 0]:
             parent = bytes(row["parent"])
             pinned = PinnedBlock(

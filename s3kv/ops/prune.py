@@ -66,9 +66,16 @@ import numpy.typing as npt
 
 from s3kv.errors import AccessDeniedError, CodecError, StorageError
 from s3kv.keys import HASH_BYTES, BlockHash, block_object_key
-from s3kv.manifest import UNKNOWN_PARENT, Records, UsageTable, compact, load_usage
+from s3kv.manifest import UNKNOWN_PARENT, Records, compact
 from s3kv.ops import ProgressFn, no_progress
-from s3kv.ops.scope import BlockObject, Fingerprint, blocks_prefix, list_blocks, read_identity
+from s3kv.ops.scope import (
+    BlockObject,
+    Fingerprint,
+    blocks_prefix,
+    list_blocks,
+    load_usage_checked,
+    read_identity,
+)
 from s3kv.storage import DELETE_BATCH, Backend
 
 __all__ = [
@@ -651,7 +658,9 @@ def _plan_group(
     keys every shard holds). Keys the manifest does not know are recent on every shard when
     one shard's object of that key is.
     """
-    index = _UsageIndex(_usage(backend, prefix, manifest).rows, cutoff)
+    index = _UsageIndex(
+        load_usage_checked(backend, prefix, manifest, then=", then prune").rows, cutoff
+    )
     listed = [_list(backend, prefix, fp, index, progress) for fp in members]
     ancestor = index.ancestors()
     forget = index.forget(ancestor)
@@ -712,16 +721,6 @@ def _list(
     progress(phase, count, count)
     index.end_shard()
     return keys, chunks, Tally(foreign[0], foreign[1])
-
-
-def _usage(backend: Backend, prefix: str, fingerprint: str) -> UsageTable:
-    try:
-        return load_usage(backend, prefix, fingerprint)
-    except CodecError as exc:
-        raise CodecError(
-            f"the manifest snapshot of {fingerprint} is unreadable ({exc}): rebuild it with "
-            f"`s3kv compact --full --fingerprint {fingerprint}`, then prune"
-        ) from exc
 
 
 def _high(keys: npt.NDArray[np.void]) -> npt.NDArray[np.uint64]:

@@ -32,7 +32,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from s3kv.errors import ConfigError, KeyDerivationError
+from s3kv.errors import CodecError, ConfigError, KeyDerivationError
 from s3kv.keys import (
     BlockHash,
     ModelIdentity,
@@ -41,14 +41,17 @@ from s3kv.keys import (
     layout_fingerprint,
     parse_block_object_key,
 )
+from s3kv.manifest import UsageTable, load_usage
 from s3kv.storage import Backend
 
 __all__ = [
     "BlockObject",
     "Fingerprint",
     "blocks_prefix",
+    "first_per_manifest",
     "list_blocks",
     "list_fingerprints",
+    "load_usage_checked",
     "read_identity",
     "resolve_scope",
 ]
@@ -372,3 +375,31 @@ def _with_manifests(
         else:
             found.append(Fingerprint(fp, identities.get(fp)))
     return found
+
+
+def first_per_manifest(scope: Sequence[Fingerprint]) -> list[Fingerprint]:
+    """The first fingerprint of ``scope`` using each manifest, in order (a TP layout's
+    shards share one manifest: work on a manifest is done once)."""
+    first: dict[str, Fingerprint] = {}
+    for fp in scope:
+        first.setdefault(fp.manifest_fingerprint, fp)
+    return list(first.values())
+
+
+def load_usage_checked(
+    backend: Backend, prefix: str, fingerprint: str, *, then: str = ""
+) -> UsageTable:
+    """:func:`~s3kv.manifest.load_usage`, with an unreadable snapshot told as one fix.
+
+    Raises:
+        CodecError: the snapshot is unreadable; the message names ``s3kv compact --full``
+            (followed by ``then``, e.g. ``", then prune"``).
+        StorageError: the bucket failed.
+    """
+    try:
+        return load_usage(backend, prefix, fingerprint)
+    except CodecError as exc:
+        raise CodecError(
+            f"the manifest snapshot of {fingerprint} is unreadable ({exc}): rebuild it with "
+            f"`s3kv compact --full --fingerprint {fingerprint}`{then}"
+        ) from exc

@@ -336,7 +336,8 @@ def collect_stats(
     """
     table = prices or PriceTable()
     now = clock()
-    results = [_one(backend, prefix, fp, table, sample, now, progress) for fp in scope]
+    usages: dict[str, tuple[UsageTable, str | None]] = {}  # a layout's shards share one
+    results = [_one(backend, prefix, fp, table, sample, now, progress, usages) for fp in scope]
     return StatsReport(now=now, prices=table, fingerprints=tuple(results))
 
 
@@ -348,13 +349,18 @@ def _one(
     sample: int,
     now: float,
     progress: ProgressFn,
+    usages: dict[str, tuple[UsageTable, str | None]],
 ) -> FingerprintStats:
-    manifest_error = None
-    try:
-        usage = load_usage(backend, prefix, fp.manifest_fingerprint)
-    except CodecError as exc:
-        manifest_error = f"{exc} (rebuild with `s3kv compact --full`)"
-        usage = UsageTable(np.zeros(0, USAGE_DTYPE))
+    if fp.manifest_fingerprint not in usages:
+        try:
+            usages[fp.manifest_fingerprint] = (
+                load_usage(backend, prefix, fp.manifest_fingerprint),
+                None,
+            )
+        except CodecError as exc:
+            error = f"{exc} (rebuild with `s3kv compact --full`)"
+            usages[fp.manifest_fingerprint] = (UsageTable(np.zeros(0, USAGE_DTYPE)), error)
+    usage, manifest_error = usages[fp.manifest_fingerprint]
     rows = usage.rows
     keys: list[bytes] = rows["key"].tolist()
     first = dict(zip(keys, rows["first_written"].tolist(), strict=True))
