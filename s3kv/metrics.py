@@ -20,7 +20,6 @@ import bisect
 import logging
 import re
 import threading
-import time
 import weakref
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
@@ -369,8 +368,6 @@ class _Family:
 class _ManifestEntry:
     fingerprint: str
     read: Callable[[], Callable[[], Mapping[str, float]] | None]
-    version: float = -1.0
-    changed_at: float = 0.0
 
 
 class Export:
@@ -390,13 +387,9 @@ class Exporter:
 
     Sources are held weakly (a store that is dropped without :meth:`KVStore.close` stops
     being exported once collected). Thread-safe.
-
-    Args:
-        monotonic: Clock for the manifest lag derived from ``version`` changes.
     """
 
-    def __init__(self, monotonic: Callable[[], float] = time.monotonic) -> None:
-        self._monotonic = monotonic
+    def __init__(self) -> None:
         self._lock = threading.Lock()
         self._next = 0
         self._stores: dict[int, tuple[weakref.ref[Metrics], dict[str, str]]] = {}
@@ -430,7 +423,7 @@ class Exporter:
             def read() -> Callable[[], Mapping[str, float]] | None:
                 return stats
 
-        entry = _ManifestEntry(fingerprint, read, changed_at=self._monotonic())
+        entry = _ManifestEntry(fingerprint, read)
         with self._lock:
             token = self._token()
             self._manifests[token] = entry
@@ -487,19 +480,6 @@ class Exporter:
     def _add_manifest(
         self, families: dict[str, _Family], entry: _ManifestEntry, stats: dict[str, float]
     ) -> None:
-        version = stats.get("version")
-        if "lag_seconds" not in stats and version is not None:
-            # NOTE: until the manifest reports its own lag: the time since this exporter saw
-            # the applied log version change (resolution: the scrape interval), counted from
-            # the registration for the version found first (loaded at open).
-            now = self._monotonic()
-            with self._lock:
-                if version != entry.version:
-                    if entry.version >= 0:
-                        entry.changed_at = now
-                    entry.version = version
-                if version > 0:
-                    stats["lag_seconds"] = max(0.0, now - entry.changed_at)
         for key, value in stats.items():
             name = _NAME_RE.sub("_", key)
             kind = "gauge" if key in MANIFEST_GAUGES else "counter"

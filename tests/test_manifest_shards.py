@@ -11,6 +11,7 @@ import threading
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
 import pytest
 
 from s3kv.keys import ROOT_HASH, BlockHash, hash_block
@@ -38,6 +39,7 @@ class RecordingManifest:
         self.unpins: list[bytes] = []
         self.closes: list[tuple[bool, float | None]] = []
         self.flushes = 0
+        self.filter_passes = 0
         self.started: dict[str, Any] | None = None
 
     def may_contain(self, key: bytes) -> bool:
@@ -48,6 +50,10 @@ class RecordingManifest:
         while n < len(keys) and bytes(keys[n]) in self.present:
             n += 1
         return n
+
+    def contains_many(self, keys: Sequence[bytes]) -> np.ndarray:
+        self.filter_passes += 1
+        return np.array([bytes(k) in self.present for k in keys], dtype=bool)
 
     def record_write(self, key: BlockHash, parent: BlockHash, size: int) -> None:
         self.present.add(bytes(key))
@@ -123,6 +129,18 @@ def test_count_leading_mixes_the_manifest_and_own_writes() -> None:
     assert v0.count_leading(chain) == 4
     assert v1.count_leading(chain) == 2, "shard 1 stops where its part is missing"
     assert min(v.count_leading(chain) for v in (v0, v1)) == 2
+
+
+def test_count_leading_makes_one_filter_pass_however_many_pending_keys() -> None:
+    # On the scheduler's path: linear in the prompt (it once re-tested the rest per key).
+    p, manifest = presence(2)
+    v0 = p.view(0)
+    chain = [key(i) for i in range(200)]
+    for k in chain:  # shard 0 wrote the whole chain; shard 1 has not reported yet
+        v0.record_write(k, ROOT_HASH, 1)
+    manifest.filter_passes = 0
+    assert v0.count_leading(chain) == 200
+    assert manifest.filter_passes == 1
 
 
 def test_waiting_keys_are_bounded_oldest_first_and_counted() -> None:

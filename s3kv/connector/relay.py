@@ -40,6 +40,7 @@ from typing import Final
 import numpy as np
 
 from s3kv._logonce import LogOnce
+from s3kv.errors import ConfigError
 from s3kv.keys import HASH_BYTES, BlockHash
 
 logger = logging.getLogger(__name__)
@@ -85,10 +86,20 @@ class WriteRelay:
 
     @classmethod
     def create(cls, world_size: int, capacity: int = DEFAULT_CAPACITY) -> WriteRelay:
-        """A new relay for ``world_size`` ranks (rank 0's process)."""
+        """A new relay for ``world_size`` ranks (rank 0's process).
+
+        Raises:
+            ConfigError: the shared memory cannot be created (as the staging arenas say).
+        """
         size = 8 * 4 + 8 * 4 * world_size + _RECORD.itemsize * world_size * capacity
-        fd = os.memfd_create("s3kv-relay", os.MFD_CLOEXEC)
-        os.ftruncate(fd, size)
+        try:
+            fd = os.memfd_create("s3kv-relay", os.MFD_CLOEXEC)
+            os.ftruncate(fd, size)
+        except (OSError, AttributeError) as exc:
+            raise ConfigError(
+                f"tp: cannot create the {size}-byte write relay in shared memory ({exc}); "
+                "s3kv needs memfd_create for tensor parallelism"
+            ) from exc
         with mmap.mmap(fd, 8 * 4, access=mmap.ACCESS_WRITE) as region:
             region[:] = np.array([_MAGIC, world_size, capacity, 0], dtype=np.int64).tobytes()
         return cls(fd, f"/proc/{os.getpid()}/fd/{fd}")
@@ -198,6 +209,7 @@ class RelayedManifest:
     def __init__(self, rank: int) -> None:
         self.rank = rank
         self._relay: WriteRelay | None = None
+        self._failed = ""  # a relay path that could not be opened (not retried)
         self._lock = threading.Lock()
         self._reports = 0
         self._dropped = 0
@@ -209,12 +221,14 @@ class RelayedManifest:
         with self._lock:
             if self._relay is not None and self._relay.path == path:
                 return
-            if self._closed:
+            # NOTE: this runs in the forward-pass hook: a path that failed is not retried.
+            if self._closed or path == self._failed:
                 return
             try:
                 relay = WriteRelay.attach(path)
                 relay.join(self.rank)
             except (OSError, ValueError) as exc:
+                self._failed = path
                 self._log_once("attach", "s3kv: cannot open the write relay %s: %s", path, exc)
                 return
             if self._relay is not None:

@@ -38,6 +38,9 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Final
 
+import numpy as np
+import numpy.typing as npt
+
 from s3kv._logonce import LogOnce
 from s3kv.errors import CodecError, ConfigError, StorageError
 from s3kv.keys import HASH_BYTES, BlockHash
@@ -260,6 +263,10 @@ class Manifest:
     def count_leading(self, keys: Sequence[bytes]) -> int:
         """Length of the leading run of ``keys`` that may exist. No network."""
         return self._filter.count_leading(keys)
+
+    def contains_many(self, keys: Sequence[bytes]) -> npt.NDArray[np.bool_]:
+        """Whether each of ``keys`` may exist (one vectorized pass). No network."""
+        return self._filter.contains_many(keys)
 
     @property
     def loaded(self) -> bool:

@@ -37,6 +37,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Final
 
+import numpy as np
+
 from s3kv.keys import HASH_BYTES, BlockHash
 from s3kv.manifest.live import Manifest
 
@@ -123,19 +125,19 @@ class ShardedPresence:
 
     def count_leading(self, shard: int, keys: Sequence[bytes]) -> int:
         """Length of the leading run of ``keys`` that :meth:`may_contain` for ``shard``."""
-        count = self._manifest.count_leading(keys)
+        present = self._manifest.contains_many(keys)
+        missing = np.flatnonzero(~present)
         # NOTE: a racy emptiness check is fine: a key added meanwhile is a hint missed once.
-        if not self._pending:
-            return count
+        if not len(missing) or not self._pending:
+            return int(missing[0]) if len(missing) else len(keys)
         bit = 1 << shard
-        while count < len(keys):
-            with self._lock:
-                entry = self._pending.get(bytes(keys[count]))
-            if entry is None or not entry.mask & bit:
-                break
-            count += 1
-            count += self._manifest.count_leading(keys[count:])
-        return count
+        # NOTE: one filter pass, then one lock for the walk: linear in the prompt.
+        with self._lock:
+            for index in missing.tolist():
+                entry = self._pending.get(bytes(keys[index]))
+                if entry is None or not entry.mask & bit:
+                    return int(index)
+        return len(keys)
 
     # --- recording: memory only -----------------------------------------------------------
 
