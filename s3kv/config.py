@@ -17,13 +17,15 @@ from __future__ import annotations
 
 import dataclasses
 import ipaddress
+import math
 import os
 import re
 import sys
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Literal
+from urllib.parse import urlsplit
 
 from s3kv.errors import ConfigError
 
@@ -57,59 +59,117 @@ _SIZE_UNITS = {
     "tib": 1024**4,
 }
 _DURATION_UNITS = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
-_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
-_DURATION_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhdw]?)\s*$")
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$", re.ASCII)
+_DURATION_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhdw]?)\s*$", re.ASCII)
+#: Largest size: what a signed 64-bit byte count (mmap, ctypes, torch) can hold.
+MAX_SIZE = 2**63 - 1
+#: Largest integer setting (a signed 64-bit value, for the same reason).
+_MAX_INT = 2**63 - 1
+#: Longest duration: one year. NOTE: waits and deadlines beyond ``threading.TIMEOUT_MAX``
+#: raise OverflowError inside the engine, and no setting needs more than a year.
+MAX_DURATION = 365 * 86400.0
 
 
-def parse_size(value: str | int | float, *, name: str = "size") -> int:
+class _Invalid(ValueError):
+    """A rule a value broke (the problem only: the caller adds setting name and source)."""
+
+
+def _show(value: object) -> str:
+    """``value`` for a one-line message: its repr, cut short, with the type if not text."""
+    text = repr(value)
+    if len(text) > 60:
+        text = text[:57] + "..."
+    return text if isinstance(value, str) else f"{text} ({type(value).__name__})"
+
+
+def _size_value(value: object) -> int:
+    """A byte size from an integer or a string such as ``"512MiB"`` (module doc)."""
+    if isinstance(value, str):
+        match = _SIZE_RE.match(value)
+        unit = match.group(2).lower() if match else ""
+        if not match or unit not in _SIZE_UNITS:
+            raise _Invalid(f"expected a byte size like 512MiB or 2GB, got {_show(value)}")
+        number = float(match.group(1)) * _SIZE_UNITS[unit]
+        if not number <= MAX_SIZE:  # NOTE: also catches inf from a 400-digit number
+            raise _Invalid(f"must be at most {MAX_SIZE} bytes (8 EiB), got {_show(value)}")
+        return int(number)
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise _Invalid(
+            f"expected a whole number of bytes or a string like \"512MiB\", got {_show(value)}"
+        )
+    if not 0 <= value <= MAX_SIZE:
+        raise _Invalid(f"must be in 0..{MAX_SIZE} bytes, got {value}")
+    return value
+
+
+def _duration_value(value: object, *, positive: bool = False) -> float:
+    """Seconds from a number or a string such as ``"90s"`` or ``"7d"`` (module doc)."""
+    if isinstance(value, str):
+        match = _DURATION_RE.match(value)
+        if not match:
+            raise _Invalid(f"expected a duration like 90s, 30m, 12h, 7d or 2w, got {_show(value)}")
+        seconds = float(match.group(1)) * _DURATION_UNITS[match.group(2)]
+    elif isinstance(value, int | float) and not isinstance(value, bool):
+        seconds = float(value) if abs(value) <= MAX_DURATION else math.copysign(math.inf, value)
+        if math.isnan(seconds):
+            raise _Invalid(f"expected a number of seconds or a string like 90s, got {_show(value)}")
+    else:
+        raise _Invalid(f"expected a number of seconds or a string like 90s, got {_show(value)}")
+    if positive and not seconds > 0:
+        raise _Invalid(f"must be > 0 seconds (e.g. 30s), got {_show(value)}")
+    if not 0 <= seconds <= MAX_DURATION:
+        raise _Invalid(f"must be in 0..{MAX_DURATION:.0f} seconds (one year), got {_show(value)}")
+    return seconds
+
+
+def parse_size(value: str | int, *, name: str = "size") -> int:
     """Parse a byte size such as ``4096``, ``"512MiB"`` or ``"2GB"``.
 
     Raises:
-        ConfigError: naming ``name`` when the value is not a non-negative size.
+        ConfigError: naming ``name`` when the value is not a size in ``0..MAX_SIZE`` (a
+            float, a bool, NaN or a negative number included).
     """
-    if isinstance(value, bool):
-        raise ConfigError(f"{name}: expected a byte size like 512MiB, got {value!r}")
-    if isinstance(value, int | float):
-        if value < 0:
-            raise ConfigError(f"{name}: must be >= 0, got {value!r}")
-        return int(value)
-    match = _SIZE_RE.match(value)
-    unit = match.group(2).lower() if match else ""
-    if not match or unit not in _SIZE_UNITS:
-        raise ConfigError(f"{name}: expected a byte size like 512MiB or 2GB, got {value!r}")
-    return int(float(match.group(1)) * _SIZE_UNITS[unit])
+    try:
+        return _size_value(value)
+    except _Invalid as exc:
+        raise ConfigError(f"{name}: {exc}") from None
 
 
 def parse_duration(value: str | int | float, *, name: str = "duration") -> float:
     """Parse a duration in seconds: ``30``, ``"90s"``, ``"30m"``, ``"12h"``, ``"7d"``, ``"2w"``.
 
     Raises:
-        ConfigError: naming ``name`` when the value is not a non-negative duration.
+        ConfigError: naming ``name`` when the value is not a duration in ``0..MAX_DURATION``
+            (a bool, NaN or infinity included).
     """
-    if isinstance(value, bool):
-        raise ConfigError(f"{name}: expected a duration like 30s or 7d, got {value!r}")
-    if isinstance(value, int | float):
-        if value < 0:
-            raise ConfigError(f"{name}: must be >= 0, got {value!r}")
-        return float(value)
-    match = _DURATION_RE.match(value)
-    if not match:
-        raise ConfigError(
-            f"{name}: expected a duration like 90s, 30m, 12h, 7d or 2w, got {value!r}"
-        )
-    return float(match.group(1)) * _DURATION_UNITS[match.group(2)]
+    try:
+        return _duration_value(value)
+    except _Invalid as exc:
+        raise ConfigError(f"{name}: {exc}") from None
 
 
 def _size(default: int, doc: str) -> Any:
     return field(default=default, metadata={"kind": "size", "doc": doc})
 
 
-def _duration(default: float, doc: str) -> Any:
-    return field(default=default, metadata={"kind": "duration", "doc": doc})
+def _duration(default: float, doc: str, *, positive: bool = False) -> Any:
+    meta = {"kind": "duration", "doc": doc, "positive": positive}
+    return field(default=default, metadata=meta)
 
 
-def _plain(default: Any, doc: str, *, choices: tuple[str, ...] = ()) -> Any:
-    return field(default=default, metadata={"kind": "plain", "doc": doc, "choices": choices})
+def _plain(
+    default: Any,
+    doc: str,
+    *,
+    choices: tuple[str, ...] = (),
+    low: int | None = None,
+    high: int | None = None,
+    check: Callable[[Any], None] | None = None,
+) -> Any:
+    """A field whose kind comes from its annotation; ``low``/``high`` bound integers
+    (inclusive); ``check`` raises :class:`_Invalid` for a value of the right type."""
+    meta = {"kind": "plain", "doc": doc, "choices": choices, "low": low, "high": high}
+    return field(default=default, metadata={**meta, "check": check})
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -117,12 +177,29 @@ class S3KVConfig:
     """All s3kv settings. Memory cost of the bounded resources is stated per field."""
 
     # --- where ---
-    bucket: str = _plain("", "Bucket holding the KV objects (required to open S3).")
-    prefix: str = _plain("s3kv", "Key prefix inside the bucket; all objects live below it.")
-    endpoint_url: str | None = _plain(
-        None, "S3 endpoint (MinIO, SeaweedFS, Ceph); default: AWS_ENDPOINT_URL_S3 or AWS."
+    bucket: str = _plain(
+        "",
+        "Bucket holding the KV objects (required to open S3): 3-63 lowercase letters, digits, "
+        "dots and hyphens, starting and ending with a letter or digit.",
+        check=_check_bucket,
     )
-    region: str | None = _plain(None, "AWS region; default: the credential chain's region.")
+    prefix: str = _plain(
+        "s3kv",
+        "Key prefix inside the bucket; all objects live below it (at most 512 bytes, no '//').",
+        check=_check_prefix,
+    )
+    endpoint_url: str | None = _plain(
+        None,
+        "S3 endpoint: http(s)://host[:port][/path] (MinIO, SeaweedFS, Ceph) or "
+        "file:///absolute/dir; default: AWS_ENDPOINT_URL_S3 or AWS.",
+        check=_check_endpoint,
+    )
+    region: str | None = _plain(
+        None,
+        "AWS region (us-east-1, or a custom name such as garage); default: the credential "
+        "chain's region.",
+        check=_check_region,
+    )
     profile: str | None = _plain(None, "AWS shared-config profile name.")
     addressing_style: AddressingStyle = _plain(
         "auto",
@@ -130,23 +207,44 @@ class S3KVConfig:
         choices=("auto", "path", "virtual"),
     )
     ca_bundle: str | None = _plain(None, "Path to a CA bundle for a private TLS endpoint.")
+    # --- security ---
+    auth_keys: str = _plain(
+        "",
+        "Where the block authentication keys are (never the keys themselves): "
+        "'file:/path', 'env:VARIABLE' or 'kms:/path' (data keys encrypted under AWS KMS). "
+        "Set, every block is sealed (AES-256-GCM, bound to its key) and a block that is not "
+        "sealed by a listed key is a miss. Empty: blocks are not authenticated.",
+    )
+    auth_accept_unsigned: bool = _plain(
+        False,
+        "With auth_keys set, still read blocks written without authentication (only while "
+        "migrating a bucket that has them; it reopens the door auth_keys closes).",
+    )
     # --- transport ---
-    connect_timeout: float = _duration(5.0, "TCP connect timeout per attempt.")
-    read_timeout: float = _duration(30.0, "Socket read timeout per attempt.")
-    max_attempts: int = _plain(3, "Attempts per request (standard retry mode), >= 1.")
+    connect_timeout: float = _duration(
+        5.0, "TCP connect timeout per attempt, > 0 (0 would fail every request).", positive=True
+    )
+    read_timeout: float = _duration(
+        30.0, "Socket read timeout per attempt, > 0 (0 would fail every request).", positive=True
+    )
+    max_attempts: int = _plain(3, "Attempts per request (standard retry mode), >= 1.", low=1)
     conditional_put: ConditionalPut = _plain(
         "auto",
         "Use If-None-Match on block PUTs: auto (probe once), on, off.",
         choices=("auto", "on", "off"),
     )
     # --- engine ---
-    io_threads: int = _plain(8, "Threads doing GET/PUT + codec work (the one I/O pool).")
+    io_threads: int = _plain(
+        8, "Threads doing GET/PUT + codec work (the one I/O pool), >= 1.", low=1
+    )
     codec: CodecName = _plain(
         "planes-zstd",
         "Block codec: planes-zstd, zstd or raw.",
         choices=("planes-zstd", "zstd", "raw"),
     )
-    compression_level: int = _plain(1, "zstd level; 1 measured best on KV byte planes.")
+    compression_level: int = _plain(
+        1, "zstd level, -7..22; 1 measured best on KV byte planes.", low=-7, high=22
+    )
     staging_bytes: int = _size(
         2 * 1024**3, "Host staging cache budget (decoded blocks; pinned memory under CUDA)."
     )
@@ -158,19 +256,34 @@ class S3KVConfig:
         "When save bytes are at the bound: drop (count it) or block (wait).",
         choices=("drop", "block"),
     )
-    save_block_timeout: float = _duration(5.0, "Longest a save waits under save_policy=block.")
-    max_prefetch_queue: int = _plain(4096, "Prefetches queued at once; more are dropped.")
-    close_timeout: float = _duration(30.0, "Deadline for draining saves on close().")
+    save_block_timeout: float = _duration(
+        5.0, "Longest a save waits under save_policy=block (0: drop at once, as drop does)."
+    )
+    max_prefetch_queue: int = _plain(
+        4096, "Prefetches queued at once, >= 1; more are dropped.", low=1
+    )
+    close_timeout: float = _duration(
+        30.0, "Deadline for draining saves on close() (0: drop queued saves at once)."
+    )
     # --- manifest ---
     bloom_capacity: int = _plain(
-        1_000_000, "Keys of the first growth partition of the key filter (it grows past it)."
+        1_000_000,
+        "Keys of the first growth partition of the key filter (it grows past it), 1..2^32.",
+        low=1,
+        high=2**32,
     )
-    bloom_fpr: float = _plain(1e-6, "Target false-positive rate of the key filter (0 < p < 0.5).")
+    bloom_fpr: float = _plain(
+        1e-6, "Target false-positive rate of the key filter (0 < p < 0.5).", check=_check_fpr
+    )
     manifest_refresh_interval: float = _duration(
         10.0, "How often the manifest log is checked for news (0 disables)."
     )
-    manifest_flush_interval: float = _duration(60.0, "How often new keys are flushed.")
-    manifest_flush_keys: int = _plain(4096, "Flush a segment early once this many records wait.")
+    manifest_flush_interval: float = _duration(
+        60.0, "How often new keys are flushed (0: only by manifest_flush_keys and at close)."
+    )
+    manifest_flush_keys: int = _plain(
+        4096, "Flush a segment early once this many records wait, >= 1.", low=1
+    )
     manifest_hit_interval: float = _duration(
         600.0, "Hits alone are flushed at most this often (coalesced per key)."
     )
@@ -180,7 +293,7 @@ class S3KVConfig:
         choices=("auto", "off"),
     )
     manifest_compaction_interval: float = _duration(
-        20.0, "How often the compactor folds segments into a delta."
+        20.0, "How often the compactor folds segments into a delta, > 0.", positive=True
     )
     manifest_lease: float = _duration(
         60.0, "Another instance takes compaction over after this long without news."
@@ -188,7 +301,12 @@ class S3KVConfig:
     manifest_open_timeout: float = _duration(
         10.0, "Longest the manifest load holds up startup; it finishes in the background."
     )
-    instance_id: str = _plain("", "Name of this instance in segment keys; default random.")
+    instance_id: str = _plain(
+        "",
+        "Name of this instance in segment keys (1-64 letters, digits, '.', '_', '-'); "
+        "default random.",
+        check=_check_instance_id,
+    )
     # --- connector ---
     model_revision: str = _plain(
         "",
@@ -206,9 +324,13 @@ class S3KVConfig:
         "Immutable adapter revision per LoRA task id, as 'ID=REVISION,...' (e.g. "
         "'7=commit:4f1e...,9=sha256:ab12...'). Task ids are numbers each deployment assigns, "
         "so LoRA requests whose id is not listed are neither claimed nor saved.",
+        check=_check_lora,
     )
     breaker_failures: int = _plain(
-        5, "Consecutive storage failures that open the circuit breaker (claim 0, save nothing)."
+        5,
+        "Consecutive storage failures that open the circuit breaker (claim 0, save nothing), "
+        ">= 1.",
+        low=1,
     )
     breaker_cooldown: float = _duration(30.0, "Time the breaker stays open before a probe.")
     # --- observability ---
@@ -216,16 +338,20 @@ class S3KVConfig:
         0,
         "Serve Prometheus metrics on this port (0 = do not serve); one endpoint per process "
         "(under TP rank r > 0 serves on this port + r).",
+        low=0,
+        high=65535,
     )
     metrics_address: str = _plain(
         "127.0.0.1",
         "Address the metrics endpoint listens on: loopback by default; 0.0.0.0 or :: for a "
         "scraper on another host or pod.",
+        check=_check_address,
     )
     log_level: str = _plain(
         "",
         "Level of the 's3kv' logger, set when a store opens: debug, info, warning, error or "
         "critical; empty leaves it to the application's logging setup.",
+        check=_check_log_level,
     )
 
     def __post_init__(self) -> None:

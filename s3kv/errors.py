@@ -11,12 +11,14 @@ Every error s3kv raises on purpose is an :class:`S3KVError`::
     │   ├── TruncatedError       shorter than its header says
     │   ├── ChecksumError        raw bytes do not match the stored checksum
     │   ├── KeyMismatchError     written under a different object key
+    │   ├── AuthenticationError  not sealed by a trusted key (auth_keys set): forged or unsigned
     │   └── SizeMismatchError    header fields disagree with each other or the caller
     └── StorageError             the object store failed (after retries)
         ├── BucketNotFoundError  the bucket does not exist
         ├── AccessDeniedError    credentials missing, invalid or not allowed
         ├── EndpointError        the endpoint cannot be reached or answers garbage
         ├── ThrottledError       the server asked us to slow down (503 SlowDown, 429)
+        ├── ObjectTooLargeError  an object is longer than the reader's bound (not read)
         └── PreconditionFailedError  a conditional write found the key already present
 
 Foreign exceptions (botocore, urllib3, OS errors) are translated into this tree in exactly
@@ -69,6 +71,17 @@ class SizeMismatchError(CodecError):
     kind = "size_mismatch"
 
 
+class AuthenticationError(CodecError):
+    """Not sealed by a trusted key: forged, replayed from another key, unsigned or sealed
+    with a key this reader does not hold. ``kind`` says which."""
+
+    kind = "unauthenticated"
+
+    def __init__(self, message: str, kind: str = "unauthenticated") -> None:
+        super().__init__(message)
+        self.kind = kind
+
+
 class StorageError(S3KVError):
     """The object store failed after bounded retries."""
 
@@ -96,8 +109,19 @@ class PreconditionFailedError(StorageError):
     kind = "precondition_failed"
 
 
+class ObjectTooLargeError(StorageError):
+    """An object is longer than the ``max_bytes`` its reader allowed; its body was not read.
+
+    The server answered normally: the object, not the service, is at fault (a foreign or
+    corrupt object under an s3kv key), so the circuit breaker does not count it.
+    """
+
+    kind = "too_large"
+
+
 __all__ = [
     "AccessDeniedError",
+    "AuthenticationError",
     "BadMagicError",
     "BucketNotFoundError",
     "ChecksumError",
@@ -106,6 +130,7 @@ __all__ = [
     "EndpointError",
     "KeyDerivationError",
     "KeyMismatchError",
+    "ObjectTooLargeError",
     "PreconditionFailedError",
     "S3KVError",
     "SizeMismatchError",

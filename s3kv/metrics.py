@@ -86,7 +86,15 @@ HELP: Mapping[str, str] = {
     "warm_ready": "1 once warm start finished (gauge).",
     "requests": "Object-store requests by operation.",
     "request_errors": "Object-store request failures by operation and kind.",
-    "corrupt_objects": "Objects that failed verification, by kind (treated as misses).",
+    "corrupt_objects": (
+        "Objects that failed verification, by kind (treated as misses); with auth_keys, "
+        "kinds unsigned, forged and unknown_key count blocks that did not authenticate."
+    ),
+    "prefetch_quarantined": (
+        "Prefetches answered as misses without a GET: the key's object failed verification "
+        "recently (quarantined for 10 minutes)."
+    ),
+    "save_rewrote_quarantined": "Saves that overwrote an object which had failed verification.",
     "staging_bytes": "Bytes currently held in host staging (gauge).",
     "staging_blocks": "Blocks currently held in host staging (gauge).",
     "inflight_save_bytes": "Raw bytes of saves queued or uploading (gauge).",

@@ -41,12 +41,14 @@ import numpy as np
 from s3kv import codec
 from s3kv._logonce import LogOnce
 from s3kv._logsetup import apply_log_level
+from s3kv.auth import Keyring, load_keyring, seal, unseal
 from s3kv.config import S3KVConfig
 from s3kv.errors import CodecError, SizeMismatchError, StorageError
 from s3kv.keys import BlockHash, ModelIdentity, block_object_key, identity_object_key
 from s3kv.manifest import CompactionPolicy, Manifest, UsageTable, load_usage
 from s3kv.metrics import Export, Metrics, exporter
 from s3kv.pool import IOPool, Priority
+from s3kv.quarantine import Quarantine
 from s3kv.staging import HostAllocator, HostBuffer, StagingCache
 from s3kv.storage import (
     Backend,
@@ -150,6 +152,7 @@ class KVStore:
         pool: I/O pool; default ``config.io_threads`` threads (pass ``IOPool(0)`` for inline).
         block_nbytes: Raw size every block must have, if known (checked on decode).
         manifest_fingerprint: Where the manifest lives, if not under ``fingerprint``.
+        keyring: Block keys (``auth_keys``): seal every save, open only sealed blocks.
     """
 
     def __init__(
@@ -164,6 +167,7 @@ class KVStore:
         pool: IOPool | None = None,
         block_nbytes: int | None = None,
         manifest_fingerprint: str | None = None,
+        keyring: Keyring | None = None,
     ) -> None:
         self.metrics = metrics or Metrics()
         self.backend = (
@@ -176,6 +180,9 @@ class KVStore:
         self.manifest_fingerprint = manifest_fingerprint or fingerprint
         self.config = config
         self.block_nbytes = block_nbytes
+        self.keyring = keyring
+        #: Keys whose object failed verification: misses without a GET for a while.
+        self.quarantine: Quarantine[BlockHash] = Quarantine()
         self.staging = StagingCache(config.staging_bytes, allocator=allocator, metrics=self.metrics)
         self._pool = pool if pool is not None else IOPool(config.io_threads)
         self._codec = _CODECS[config.codec]
@@ -223,6 +230,9 @@ class KVStore:
             BucketNotFoundError, AccessDeniedError, EndpointError: one clear line each.
         """
         apply_log_level(config.log_level)
+        keyring = load_keyring(
+            config.auth_keys, accept_unsigned=config.auth_accept_unsigned, region=config.region
+        )
         metrics = Metrics()
         breaker = CircuitBreaker(config.breaker_failures, config.breaker_cooldown)
         if backend is None:
@@ -260,6 +270,7 @@ class KVStore:
             pool=pool,
             block_nbytes=block_nbytes,
             manifest_fingerprint=manifest.fingerprint if manifest is not None else None,
+            keyring=keyring,
         )
         if start_background and own is not None:
             own.start(
@@ -447,10 +458,16 @@ class KVStore:
     def _fetch(self, key: BlockHash) -> None:
         object_key = self.object_key(key)
         try:
-            blob = self.backend.get(object_key)
-            if blob is None:
+            if key in self.quarantine:
+                self.metrics.inc("prefetch_quarantined")
+                return
+            stored = self.backend.get(object_key)
+            if stored is None:
                 self.metrics.inc("prefetch_not_found")
                 return
+            blob: bytes | memoryview = stored
+            if self.keyring is not None:
+                blob = unseal(stored, object_key=object_key, keyring=self.keyring)
             header = codec.read_header(blob)
             if self.block_nbytes is not None and header.raw_len != self.block_nbytes:
                 raise SizeMismatchError(
@@ -469,8 +486,9 @@ class KVStore:
             self.staging.insert(key, buffer)
             self.metrics.inc("prefetch_staged")
             self.metrics.inc("stage_raw_bytes", header.raw_len)
-            self.metrics.inc("stage_stored_bytes", len(blob))
+            self.metrics.inc("stage_stored_bytes", len(stored))
         except CodecError as exc:
+            self.quarantine.add(key)
             self.metrics.inc("corrupt_objects", kind=exc.kind)
             self.metrics.inc("prefetch_failed")
             self._log_failure(f"verifying {object_key}", exc)
@@ -536,7 +554,11 @@ class KVStore:
         with self._lock:
             if self._closed:
                 return SaveStatus.DROPPED
-            if key in self._saving or self.manifest.may_contain(key):
+            # NOTE: a quarantined key's object failed verification here: the save rewrites it
+            # (below, unconditionally) instead of trusting that "it is already there".
+            if key in self._saving or (
+                self.manifest.may_contain(key) and key not in self.quarantine
+            ):
                 self.metrics.inc("save_skipped_existing")
                 return SaveStatus.SKIPPED
             limit = self.config.max_inflight_save_bytes
@@ -579,8 +601,14 @@ class KVStore:
             finally:
                 if on_consumed is not None:
                     on_consumed()
-            conditional = self.backend.capabilities.conditional_put
+            if self.keyring is not None:
+                blob = seal(blob, object_key=object_key, keyring=self.keyring)
+            rewrite = key in self.quarantine
+            conditional = self.backend.capabilities.conditional_put and not rewrite
             written = self.backend.put(object_key, blob, if_absent=conditional)
+            if rewrite:
+                self.quarantine.discard(key)
+                self.metrics.inc("save_rewrote_quarantined")
             # A refused conditional PUT means another instance wrote the same bytes: the key
             # exists either way, so the manifest records it as written.
             self.manifest.record_write(key, parent, len(blob))

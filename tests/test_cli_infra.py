@@ -59,7 +59,9 @@ def allows(policy: dict[str, Any], action: str, key: str | None) -> bool:
     return False
 
 
-@pytest.mark.parametrize("name", ["engine-policy.json", "pruner-policy.json"])
+@pytest.mark.parametrize(
+    "name", ["engine-policy.json", "engine-policy-tenant.json", "pruner-policy.json"]
+)
 def test_policies_pass_the_iam_validator(name: str, aws_env: None) -> None:
     from moto import mock_aws
 
@@ -79,6 +81,27 @@ def test_engine_policy_reads_and_writes_but_deletes_only_manifest_objects() -> N
     assert allows(engine, "s3:DeleteObject", SEGMENT)  # the elected compactor's folding
     assert allows(engine, "s3:DeleteObject", PROBE)  # the conditional-PUT probe's cleanup
     assert not allows(engine, "s3:GetObject", "other-team/secret")
+
+
+def test_tenant_engine_policy_confines_each_tenant_to_its_own_prefix() -> None:
+    # Engines of tenant-a run with TLLM_S3KV_PREFIX=s3kv/tenant-a under a role tagged
+    # s3kv-tenant=tenant-a; IAM substitutes the tag into the policy variable.
+    text = (INFRA / "aws" / "engine-policy-tenant.json").read_text()
+    policy = json.loads(text.replace("${aws:PrincipalTag/s3kv-tenant}", "tenant-a"))
+    mine = "s3kv/tenant-a"
+    for key in (
+        block_object_key(mine, FP, bytes(range(16))),  # type: ignore[arg-type]
+        manifest_prefix(mine, FP) + "segments/1700000000000-a-000000.seg",
+        identity_object_key(mine, FP),
+    ):
+        assert allows(policy, "s3:GetObject", key)
+        assert allows(policy, "s3:PutObject", key)
+    assert allows(policy, "s3:DeleteObject", manifest_prefix(mine, FP) + "deltas/x")
+    assert not allows(policy, "s3:DeleteObject", block_object_key(mine, FP, bytes(16)))  # type: ignore[arg-type]
+    theirs = block_object_key("s3kv/tenant-b", FP, bytes(range(16)))  # type: ignore[arg-type]
+    for action in ("s3:GetObject", "s3:PutObject", "s3:DeleteObject"):
+        assert not allows(policy, action, theirs)
+    assert not allows(policy, "s3:PutObject", BLOCK)  # nor the shared, untenanted prefix
 
 
 def test_pruner_policy_deletes_and_rewrites_the_manifest_but_cannot_touch_block_bytes() -> None:

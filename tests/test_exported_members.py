@@ -27,8 +27,8 @@ PUBLIC: dict[str, list[str]] = {
         "DELETE_BATCH", "FOREIGN_ERRORS", "Backend", "BreakerState", "Capabilities",
         "CircuitBreaker", "CircuitOpenError", "Credentials", "DelegatingBackend",
         "DeleteResult", "FileBackend", "InstrumentedBackend", "MemoryBackend", "ObjectInfo",
-        "S3Backend", "ensure_bucket", "is_file_url", "make_client", "open_backend",
-        "probe_conditional_put", "translate_error", "whoami",
+        "S3Backend", "ensure_bucket", "is_file_url", "kms_decrypt", "kms_generate",
+        "make_client", "open_backend", "probe_conditional_put", "translate_error", "whoami",
     ],
     "s3kv.manifest": [
         "KIND_HIT", "KIND_PIN", "KIND_UNPIN", "KIND_WRITE", "RECORD_DTYPE", "UNKNOWN_PARENT",
@@ -38,6 +38,10 @@ PUBLIC: dict[str, list[str]] = {
         "SnapshotRef", "UsageRow", "UsageTable", "XorFilter", "compact", "load_usage",
     ],
     "s3kv.manifest.shards": ["ShardView", "ShardedPresence"],
+    "s3kv.auth": [
+        "MAX_OVERHEAD", "Keyring", "is_sealed", "load_keyring", "new_key_line", "parse_keys",
+        "seal", "sealed_key_id", "unseal",
+    ],
 }  # fmt: skip
 
 PACKAGE = Path(__file__).resolve().parent.parent / "s3kv"

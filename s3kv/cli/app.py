@@ -25,7 +25,7 @@ from typing import Any
 
 import typer
 
-from s3kv.cli import cmd_admin, cmd_blocks, cmd_pins
+from s3kv.cli import cmd_admin, cmd_blocks, cmd_keys, cmd_pins
 from s3kv.cli.context import CommandError
 from s3kv.cli.output import error_line, json_emitted
 from s3kv.cli.plain import PlainCommand, PlainGroup
@@ -154,6 +154,7 @@ app.command("unpin", cls=PlainCommand)(cmd_pins.unpin)
 app.command("pins", cls=PlainCommand)(cmd_pins.pins)
 app.command("doctor", cls=PlainCommand)(cmd_admin.doctor)
 app.add_typer(cmd_admin.local_s3_app, name="local-s3")
+app.add_typer(cmd_keys.keys_app, name="keys")
 
 
 def run(argv: Sequence[str] | None = None) -> None:

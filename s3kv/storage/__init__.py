@@ -11,6 +11,8 @@ Parts (users import this front, never the parts):
   errors become the :class:`~s3kv.errors.StorageError` tree. The only boto3 importer in s3kv.
 * ``instrumented`` — :class:`InstrumentedBackend`: request metrics and the circuit breaker.
 * ``breaker`` — :class:`CircuitBreaker`, which turns an outage into immediate refusals.
+* ``kms`` — :func:`kms_decrypt` and :func:`kms_generate`, AWS KMS for block keys
+  (``auth_keys = kms:PATH``); the other boto3 importer, loaded only when used.
 * ``factory`` — :func:`open_backend`, the one factory (engine and CLI alike), and
   :func:`whoami`.
 
@@ -43,6 +45,7 @@ if TYPE_CHECKING:
         probe_conditional_put,
         translate_error,
     )
+    from s3kv.storage.kms import kms_decrypt, kms_generate
 
 #: Names served from ``s3kv.storage.s3`` on first use (importing boto3 then).
 _S3_NAMES = frozenset(
@@ -50,6 +53,8 @@ _S3_NAMES = frozenset(
         "FOREIGN_ERRORS",
         "S3Backend",
         "ensure_bucket",
+    "kms_decrypt",
+    "kms_generate",
         "make_client",
         "probe_conditional_put",
         "translate_error",
@@ -57,9 +62,17 @@ _S3_NAMES = frozenset(
 )
 
 
+#: Names served from ``s3kv.storage.kms`` on first use.
+_KMS_NAMES = frozenset({"kms_decrypt", "kms_generate"})
+
+
 def __getattr__(name: str) -> object:
     # NOTE: boto3 is slow to import; the CLI's file:// path and the memory backend
     # never need it, so the S3 module is imported on first use of one of its names.
+    if name in _KMS_NAMES:
+        from s3kv.storage import kms
+
+        return getattr(kms, name)
     if name in _S3_NAMES:
         from s3kv.storage import s3
 
@@ -85,6 +98,8 @@ __all__ = [
     "S3Backend",
     "ensure_bucket",
     "is_file_url",
+    "kms_decrypt",
+    "kms_generate",
     "make_client",
     "open_backend",
     "probe_conditional_put",
