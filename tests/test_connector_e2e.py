@@ -4,12 +4,15 @@ Every instance is a new process (a redeploy). Instance A answers a question behi
 prompt and saves; instance B warms from the bucket and answers a different question behind
 the same system prompt. B's greedy output must be token-identical to a run without any cache,
 and B must compute only the uncached suffix. Variants: chunked prefill, TP=2, a cache salt
-that must not match, a corrupted object.
+that must not match, a corrupted object, and a hostile writer planting well-formed blocks
+(loaded without ``auth_keys``, refused with them).
 """
 
 from __future__ import annotations
 
 import uuid
+from collections.abc import Callable
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import pytest
@@ -127,3 +130,79 @@ def test_corrupted_object_is_a_miss(
     assert b.outputs == reference.outputs
     assert b.connector_tokens == [3 * TOKENS_PER_BLOCK], "the chain stops at the corrupt block"
     assert b.metrics['corrupt_objects{kind="checksum"}'] >= 1
+
+
+# --- a hostile writer ------------------------------------------------------------------------
+
+
+@pytest.fixture
+def forge(bucket: str, seaweedfs: LocalS3) -> Callable[[list[str], list[str]], None]:
+    """Plant, under each victim key, the KV of another prompt re-encoded as a well-formed,
+    unsealed block for that key: what anyone who can write the bucket can do with the public
+    codec and no secret."""
+    from s3kv import codec
+
+    client = seaweedfs.client()
+
+    def plant(victims: list[str], donors: list[str]) -> None:
+        for victim, donor in zip(victims, donors, strict=True):
+            blob = client.get_object(Bucket=bucket, Key=donor)["Body"].read()
+            header = codec.read_header(blob)
+            raw = codec.decode(blob, key=donor)
+            forged = codec.encode(raw, key=victim, dtype=header.dtype, shape=header.shape)
+            client.put_object(Bucket=bucket, Key=victim, Body=forged)
+
+    return plant
+
+
+def block_keys(seaweedfs: LocalS3, bucket: str, prompt: tuple[int, ...], n: int) -> list[str]:
+    from s3kv.keys import chain_hashes
+
+    client = seaweedfs.client()
+    keys = [
+        obj["Key"]
+        for page in client.get_paginator("list_objects_v2").paginate(Bucket=bucket)
+        for obj in page.get("Contents", [])
+        if "/blocks/" in obj["Key"]
+    ]
+    wanted = [h.hex() for h in chain_hashes(prompt, TOKENS_PER_BLOCK)[:n]]
+    return [next(k for k in keys if k.endswith(h)) for h in wanted]
+
+
+def test_planted_blocks_are_loaded_without_auth_keys_and_refused_with_them(
+    bucket: str,
+    seaweedfs: LocalS3,
+    prompts: dict[str, tuple[int, ...]],
+    forge: Callable[[list[str], list[str]], None],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from s3kv.auth import new_key_line
+
+    key_file = tmp_path / "keys"
+    key_file.write_text(new_key_line("k1") + "\n")
+    key_file.chmod(0o600)
+    # The attacker's donor KV: another system prompt, written by any instance.
+    donor_prompt = (
+        tuple(reversed(prompts["a"][: SYSTEM_BLOCKS * TOKENS_PER_BLOCK]))
+        + prompts["a"][SYSTEM_BLOCKS * TOKENS_PER_BLOCK :]
+    )
+    run(donor_prompt)
+    donors = block_keys(seaweedfs, bucket, donor_prompt, SYSTEM_BLOCKS)
+    # The victim's engines seal their blocks.
+    monkeypatch.setenv("TLLM_S3KV_AUTH_KEYS", f"file:{key_file}")
+    a = run(prompts["a"])
+    assert a.metrics["save_completed"] >= SYSTEM_BLOCKS
+    victims = block_keys(seaweedfs, bucket, prompts["a"], SYSTEM_BLOCKS)
+    forge(victims, donors)
+    reference = run(prompts["b"], connector=False)
+    # With auth_keys the planted blocks are misses: nothing claimed, the answer is right.
+    sealed = run(prompts["b"])
+    assert sealed.connector_tokens == [0]
+    assert sealed.outputs == reference.outputs
+    assert sealed.metrics['corrupt_objects{kind="unsigned"}'] >= 1
+    # Without auth_keys the same planted blocks are claimed and loaded: the threat.
+    monkeypatch.delenv("TLLM_S3KV_AUTH_KEYS")
+    blind = run(prompts["b"])
+    assert blind.connector_tokens == [SYSTEM_BLOCKS * TOKENS_PER_BLOCK]
+    assert blind.outputs != reference.outputs, "the donor's KV changed the answer"
