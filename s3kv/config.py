@@ -9,6 +9,12 @@ defaults, the TOML file, environment variables, explicit overrides.
 Sizes accept integers or strings such as ``"512MiB"``/``"2GB"``; durations accept numbers of
 seconds or strings such as ``"90s"``, ``"30m"``, ``"12h"``, ``"7d"``, ``"2w"``.
 
+Validation happens in one place, :func:`_validate_field`, whatever the source (constructor,
+``replace``, TOML, environment, arguments): strings are parsed to the field's type, other
+values must already have it, strictly (an integer is never a bool or a float; a number is
+never a bool, NaN or infinite; a string is UTF-8 text on one line). Every failure is one
+``ConfigError`` line ``"<setting>: <problem and fix> (from <source>)"``.
+
 Credentials are never settings here: boto3's standard chain (environment, profile, SSO,
 container and instance roles) supplies them, so they never appear in a config dump.
 """
@@ -24,7 +30,7 @@ import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, TypeGuard
 from urllib.parse import urlsplit
 
 from s3kv.errors import ConfigError
@@ -61,16 +67,14 @@ _SIZE_UNITS = {
 _DURATION_UNITS = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$", re.ASCII)
 _DURATION_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhdw]?)\s*$", re.ASCII)
-#: Largest size: what a signed 64-bit byte count (mmap, ctypes, torch) can hold.
-MAX_SIZE = 2**63 - 1
-#: Largest integer setting (a signed 64-bit value, for the same reason).
+#: Largest integer or size: what a signed 64-bit value (mmap, ctypes, torch) can hold.
 _MAX_INT = 2**63 - 1
 #: Longest duration: one year. NOTE: waits and deadlines beyond ``threading.TIMEOUT_MAX``
 #: raise OverflowError inside the engine, and no setting needs more than a year.
-MAX_DURATION = 365 * 86400.0
+_MAX_DURATION = 365 * 86400.0
 
 
-class _Invalid(ValueError):
+class _RuleError(ValueError):
     """A rule a value broke (the problem only: the caller adds setting name and source)."""
 
 
@@ -88,18 +92,25 @@ def _size_value(value: object) -> int:
         match = _SIZE_RE.match(value)
         unit = match.group(2).lower() if match else ""
         if not match or unit not in _SIZE_UNITS:
-            raise _Invalid(f"expected a byte size like 512MiB or 2GB, got {_show(value)}")
+            raise _RuleError(f"expected a byte size like 512MiB or 2GB, got {_show(value)}")
         number = float(match.group(1)) * _SIZE_UNITS[unit]
-        if not number <= MAX_SIZE:  # NOTE: also catches inf from a 400-digit number
-            raise _Invalid(f"must be at most {MAX_SIZE} bytes (8 EiB), got {_show(value)}")
+        if not number <= _MAX_INT:  # NOTE: also catches inf from a 400-digit number
+            raise _RuleError(f"must be at most {_MAX_INT} bytes (8 EiB), got {_show(value)}")
         return int(number)
     if not isinstance(value, int) or isinstance(value, bool):
-        raise _Invalid(
-            f"expected a whole number of bytes or a string like \"512MiB\", got {_show(value)}"
+        raise _RuleError(
+            f'expected a whole number of bytes or a string like "512MiB", got {_show(value)}'
         )
-    if not 0 <= value <= MAX_SIZE:
-        raise _Invalid(f"must be in 0..{MAX_SIZE} bytes, got {value}")
+    if not 0 <= value <= _MAX_INT:
+        raise _RuleError(f"must be in 0..{_MAX_INT} bytes, got {_show(value)}")
     return value
+
+
+def _is_number(value: object) -> TypeGuard[int | float]:
+    """An int that is not a bool, or a float that is not NaN (infinities are numbers)."""
+    if isinstance(value, float):
+        return not math.isnan(value)
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _duration_value(value: object, *, positive: bool = False) -> float:
@@ -107,18 +118,20 @@ def _duration_value(value: object, *, positive: bool = False) -> float:
     if isinstance(value, str):
         match = _DURATION_RE.match(value)
         if not match:
-            raise _Invalid(f"expected a duration like 90s, 30m, 12h, 7d or 2w, got {_show(value)}")
+            raise _RuleError(
+                f"expected a duration like 90s, 30m, 12h, 7d or 2w, got {_show(value)}"
+            )
         seconds = float(match.group(1)) * _DURATION_UNITS[match.group(2)]
-    elif isinstance(value, int | float) and not isinstance(value, bool):
-        seconds = float(value) if abs(value) <= MAX_DURATION else math.copysign(math.inf, value)
-        if math.isnan(seconds):
-            raise _Invalid(f"expected a number of seconds or a string like 90s, got {_show(value)}")
+    elif _is_number(value):
+        # NOTE: float() of a huge int raises OverflowError: keep only its sign.
+        big = abs(value) > _MAX_DURATION
+        seconds = (math.inf if value > 0 else -math.inf) if big else float(value)
     else:
-        raise _Invalid(f"expected a number of seconds or a string like 90s, got {_show(value)}")
+        raise _RuleError(f"expected a number of seconds or a string like 90s, got {_show(value)}")
     if positive and not seconds > 0:
-        raise _Invalid(f"must be > 0 seconds (e.g. 30s), got {_show(value)}")
-    if not 0 <= seconds <= MAX_DURATION:
-        raise _Invalid(f"must be in 0..{MAX_DURATION:.0f} seconds (one year), got {_show(value)}")
+        raise _RuleError(f"must be > 0 seconds (e.g. 30s), got {_show(value)}")
+    if not 0 <= seconds <= _MAX_DURATION:
+        raise _RuleError(f"must be in 0..{_MAX_DURATION:.0f} s (one year), got {_show(value)}")
     return seconds
 
 
@@ -126,12 +139,12 @@ def parse_size(value: str | int, *, name: str = "size") -> int:
     """Parse a byte size such as ``4096``, ``"512MiB"`` or ``"2GB"``.
 
     Raises:
-        ConfigError: naming ``name`` when the value is not a size in ``0..MAX_SIZE`` (a
-            float, a bool, NaN or a negative number included).
+        ConfigError: naming ``name`` when the value is not a size in 0..2^63-1 bytes (a
+            float, a bool or a negative number included).
     """
     try:
         return _size_value(value)
-    except _Invalid as exc:
+    except _RuleError as exc:
         raise ConfigError(f"{name}: {exc}") from None
 
 
@@ -139,12 +152,12 @@ def parse_duration(value: str | int | float, *, name: str = "duration") -> float
     """Parse a duration in seconds: ``30``, ``"90s"``, ``"30m"``, ``"12h"``, ``"7d"``, ``"2w"``.
 
     Raises:
-        ConfigError: naming ``name`` when the value is not a duration in ``0..MAX_DURATION``
+        ConfigError: naming ``name`` when the value is not a duration of 0 s to one year
             (a bool, NaN or infinity included).
     """
     try:
         return _duration_value(value)
-    except _Invalid as exc:
+    except _RuleError as exc:
         raise ConfigError(f"{name}: {exc}") from None
 
 
@@ -167,9 +180,140 @@ def _plain(
     check: Callable[[Any], None] | None = None,
 ) -> Any:
     """A field whose kind comes from its annotation; ``low``/``high`` bound integers
-    (inclusive); ``check`` raises :class:`_Invalid` for a value of the right type."""
+    (inclusive); ``check`` raises :class:`_RuleError` for a value of the right type."""
     meta = {"kind": "plain", "doc": doc, "choices": choices, "low": low, "high": high}
     return field(default=default, metadata={**meta, "check": check})
+
+
+#: Values of ``log_level`` (the ``logging`` levels by name; empty: leave the logger alone).
+LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
+_HOSTNAME_RE = re.compile(
+    r"^(?=.{1,253}$)[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?"
+    r"(?:\.[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?)*$"
+)
+_CONTROL_RE = re.compile(r"[\x00-\x1f\x7f-\x9f]")
+# NOTE: AWS's rules for new buckets, which MinIO, SeaweedFS and Ceph RGW also enforce.
+_BUCKET_RE = re.compile(r"^[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]$")
+_IPV4_RE = re.compile(r"^\d+\.\d+\.\d+\.\d+$")
+# NOTE: botocore's own rule (a host label, not all digits), so custom names such as
+# "garage" or "minio" pass and anything botocore would refuse at the first request fails.
+_REGION_RE = re.compile(r"^(?![0-9]+$)(?!-)[a-zA-Z0-9-]{1,63}(?<!-)$")
+_INSTANCE_RE = re.compile(r"^[A-Za-z0-9._-]{1,64}$")  # as s3kv.manifest.format's segment names
+_MAX_PREFIX_BYTES = 512  # NOTE: object keys are at most 1024 bytes; s3kv adds up to ~200
+
+
+def _check_text(value: str) -> None:
+    """Every string setting: encodable as UTF-8 (S3 keys, headers, files) and on one line."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        raise _RuleError(f"is not valid UTF-8 text, got {_show(value)}") from None
+    if _CONTROL_RE.search(value):
+        raise _RuleError(f"must not contain control characters (NUL, newline), got {_show(value)}")
+
+
+def _check_bucket(value: str) -> None:
+    if value and (not _BUCKET_RE.match(value) or ".." in value or _IPV4_RE.match(value)):
+        raise _RuleError(
+            f"{_show(value)} is not a valid S3 bucket name; use 3-63 lowercase letters, "
+            "digits, dots and hyphens, starting and ending with a letter or digit"
+        )
+
+
+def _check_prefix(value: str) -> None:
+    if "//" in value:
+        raise _RuleError(f"must not contain '//', got {_show(value)}")
+    if len(value.encode("utf-8")) > _MAX_PREFIX_BYTES:
+        raise _RuleError(f"must be at most {_MAX_PREFIX_BYTES} bytes, got {_show(value)}")
+
+
+def _check_endpoint(value: str) -> None:
+    if not value:
+        return
+    # NOTE: no square brackets in messages: the doctor's table reads them as markup.
+    usage = "use http(s)://HOST, optionally with :PORT and /PATH, or file:///absolute/dir"
+    if value.startswith("file://"):
+        if not value[len("file://") :].startswith("/"):
+            raise _RuleError(
+                f"a file:// endpoint needs an absolute path ({usage}), got {_show(value)}"
+            )
+        return
+    try:
+        parts = urlsplit(value)
+        host, port = parts.hostname, parts.port  # NOTE: .port raises for junk or > 65535
+    except ValueError:
+        raise _RuleError(f"is not a URL ({usage}), got {_show(value)}") from None
+    if parts.scheme not in ("http", "https") or not host or " " in value:
+        raise _RuleError(f"is not an HTTP(S) URL ({usage}), got {_show(value)}")
+    if parts.username is not None or parts.password is not None:
+        raise _RuleError(
+            "must not carry credentials (user:password@); use the AWS credential chain"
+        )
+    if parts.query or parts.fragment:
+        raise _RuleError(f"must not have a query or fragment ({usage}), got {_show(value)}")
+    if port == 0 or not _valid_host(host):
+        raise _RuleError(f"has no valid host and port ({usage}), got {_show(value)}")
+
+
+def _valid_host(host: str) -> bool:
+    try:
+        ipaddress.ip_address(host)
+        return True
+    except ValueError:
+        return _HOSTNAME_RE.match(host.removesuffix(".")) is not None
+
+
+def _check_region(value: str) -> None:
+    if value and not _REGION_RE.match(value):
+        raise _RuleError(
+            f"{_show(value)} is not a region name; use e.g. us-east-1, or the name your "
+            "S3 server expects (letters, digits and hyphens)"
+        )
+
+
+def _check_instance_id(value: str) -> None:
+    if value and not _INSTANCE_RE.match(value):
+        raise _RuleError(
+            f"must be empty (random) or 1-64 letters, digits, '.', '_' and '-', got {_show(value)}"
+        )
+
+
+def _check_fpr(value: float) -> None:
+    if not 0.0 < value < 0.5:
+        raise _RuleError(f"must be between 0 and 0.5 (e.g. 1e-6), got {_show(value)}")
+
+
+def _check_log_level(value: str) -> None:
+    if value and value not in LOG_LEVELS:
+        raise _RuleError(
+            f"must be one of {', '.join(LOG_LEVELS)} (or empty to leave the s3kv logger to "
+            f"the application); got {_show(value)}"
+        )
+
+
+def _check_address(value: str) -> None:
+    if not _valid_host(value):
+        raise _RuleError(
+            "expected an IP address or host name to listen on, e.g. 127.0.0.1 (loopback) or "
+            "0.0.0.0 (every interface), without a port (that is metrics_port); "
+            f"got {_show(value)}"
+        )
+
+
+def _lora_map(value: str) -> dict[int, str]:
+    mapping: dict[int, str] = {}
+    for entry in filter(None, (e.strip() for e in value.split(","))):
+        task, sep, revision = (part.strip() for part in entry.partition("="))
+        if not sep or not (task.isascii() and task.isdigit()) or not revision:
+            raise _RuleError(
+                f"entry {_show(entry)} is not TASK_ID=REVISION (e.g. 7=commit:4f1e...)"
+            )
+        mapping[int(task)] = revision
+    return mapping
+
+
+def _check_lora(value: str) -> None:
+    _lora_map(value)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -265,6 +409,11 @@ class S3KVConfig:
     close_timeout: float = _duration(
         30.0, "Deadline for draining saves on close() (0: drop queued saves at once)."
     )
+    startup_timeout: float = _duration(
+        10.0,
+        "Longest engine startup waits for the bucket; past it the connector starts without it "
+        "(claims and saves nothing) and keeps opening it in the background.",
+    )
     # --- manifest ---
     bloom_capacity: int = _plain(
         1_000_000,
@@ -328,8 +477,7 @@ class S3KVConfig:
     )
     breaker_failures: int = _plain(
         5,
-        "Consecutive storage failures that open the circuit breaker (claim 0, save nothing), "
-        ">= 1.",
+        "Consecutive storage failures that open the circuit breaker (claim 0, save nothing), >= 1.",
         low=1,
     )
     breaker_cooldown: float = _duration(30.0, "Time the breaker stays open before a probe.")
@@ -355,54 +503,19 @@ class S3KVConfig:
     )
 
     def __post_init__(self) -> None:
-        if isinstance(self.log_level, str):
-            # NOTE: frozen; normalised once so that INFO, Info and info are one setting.
-            object.__setattr__(self, "log_level", self.log_level.strip().lower())
         for f in fields(self):
-            _validate_field(f.name, getattr(self, f.name), f.metadata)
-        checks: list[tuple[bool, str]] = [
-            (self.max_attempts >= 1, "max_attempts: must be >= 1"),
-            (self.io_threads >= 1, "io_threads: must be >= 1"),
-            (-7 <= self.compression_level <= 22, "compression_level: must be in -7..22"),
-            (0.0 < self.bloom_fpr < 0.5, "bloom_fpr: must be between 0 and 0.5"),
-            (self.bloom_capacity >= 1, "bloom_capacity: must be >= 1"),
-            (self.max_prefetch_queue >= 1, "max_prefetch_queue: must be >= 1"),
-            (self.manifest_flush_keys >= 1, "manifest_flush_keys: must be >= 1"),
-            (
-                self.manifest_compaction_interval > 0,
-                "manifest_compaction_interval: must be > 0",
-            ),
-            (
-                self.manifest_lease >= 3 * self.manifest_compaction_interval,
-                "manifest_lease: must be >= 3 x manifest_compaction_interval",
-            ),
-            (self.breaker_failures >= 1, "breaker_failures: must be >= 1"),
-            (0 <= self.metrics_port <= 65535, "metrics_port: must be in 0..65535"),
-            ("//" not in self.prefix, "prefix: must not contain '//'"),
-        ]
-        for ok, message in checks:
-            if not ok:
-                raise ConfigError(message)
-        _check_log_level(self.log_level)
-        _check_address(self.metrics_address)
-        self.lora_revision_map()
+            # NOTE: frozen; each value stored once normalised (float seconds, lower-case
+            # log_level), so that equal settings compare equal.
+            object.__setattr__(self, f.name, _validate_field(f.name, getattr(self, f.name)))
+        if not self.manifest_lease >= 3 * self.manifest_compaction_interval:
+            raise ConfigError(
+                f"manifest_lease: must be >= 3 x manifest_compaction_interval "
+                f"({3 * self.manifest_compaction_interval:g} s), got {self.manifest_lease:g} s"
+            )
 
     def lora_revision_map(self) -> dict[int, str]:
-        """``lora_revisions`` parsed: adapter revision by LoRA task id.
-
-        Raises:
-            ConfigError: A malformed entry (names the setting and the entry).
-        """
-        mapping: dict[int, str] = {}
-        for entry in filter(None, (e.strip() for e in self.lora_revisions.split(","))):
-            task, sep, revision = entry.partition("=")
-            if not sep or not task.strip().isdigit() or not revision.strip():
-                raise ConfigError(
-                    f"lora_revisions: entry {entry!r} is not TASK_ID=REVISION "
-                    "(e.g. 7=commit:4f1e...)"
-                )
-            mapping[int(task)] = revision.strip()
-        return mapping
+        """``lora_revisions`` parsed: adapter revision by LoRA task id (valid once built)."""
+        return _lora_map(self.lora_revisions)
 
     @property
     def key_prefix(self) -> str:
@@ -485,13 +598,8 @@ class S3KVConfig:
             if value is not None:
                 raw[name] = value
                 sources[name] = "argument"
-        coerced = {
-            name: _coerce(
-                name, value, known[name].type, known[name].metadata, sources.get(name, "default")
-            )
-            for name, value in raw.items()
-        }
-        return cls(**coerced), sources
+        checked = {name: _validate_field(name, value, sources[name]) for name, value in raw.items()}
+        return cls(**checked), sources
 
     def describe(self) -> dict[str, Any]:
         """All settings as a plain dict (safe to log: there are no secrets in it)."""
@@ -505,88 +613,120 @@ def _read_toml(path: Path) -> dict[str, Any]:
         raise ConfigError(
             f"{CONFIG_FILE_ENV}: cannot read {path}: {exc.strerror}; fix the path"
         ) from exc
-    except tomllib.TOMLDecodeError as exc:
-        raise ConfigError(f"{CONFIG_FILE_ENV}: {path} is not valid TOML: {exc}") from exc
+    except UnicodeDecodeError:
+        raise ConfigError(
+            f"{CONFIG_FILE_ENV}: {path} is not UTF-8 text (a binary file?); name a TOML file"
+        ) from None
+    except ValueError as exc:  # NOTE: a NUL in the path; TOMLDecodeError is one too
+        detail = " ".join(str(exc).split())
+        raise ConfigError(f"{CONFIG_FILE_ENV}: {path} is not valid TOML: {detail}") from None
     table = data.get("s3kv", data)
     if not isinstance(table, dict):
         raise ConfigError(f"{path}: [s3kv] must be a table")
     return dict(table)
 
 
-def _coerce(name: str, value: Any, annotation: Any, meta: Mapping[str, Any], source: str) -> Any:
-    """Turn a string/TOML value into the field's type; errors name the setting and source."""
-    kind = meta.get("kind", "plain")
-    where = f"{name} (from {source})"
+#: Each field's kind by annotation; sizes and durations say theirs in the metadata.
+_ANNOTATION_KINDS = {
+    "int": "int",
+    "float": "float",
+    "bool": "bool",
+    "str": "str",
+    "str | None": "optional-str",
+}
+_TRUE = ("1", "true", "yes", "on")
+_FALSE = ("0", "false", "no", "off")
+
+
+def _kind(f: dataclasses.Field[Any]) -> str:
+    kind: str = f.metadata.get("kind", "plain")
+    if kind != "plain":
+        return kind
+    if f.metadata.get("choices"):
+        return "choice"
+    if str(f.type) not in _ANNOTATION_KINDS:
+        raise TypeError(f"S3KVConfig.{f.name}: no validation rule for {f.type!r}")
+    return _ANNOTATION_KINDS[str(f.type)]
+
+
+_FIELDS = {f.name: f for f in fields(S3KVConfig)}
+_KINDS = {name: _kind(f) for name, f in _FIELDS.items()}  # NOTE: fails at import, not later
+
+
+def _validate_field(name: str, value: Any, source: str = "") -> Any:
+    """The one validation of a setting: ``value`` of field ``name``, normalised.
+
+    Strings (environment variables, CLI flags, TOML strings) are parsed to the field's
+    type; everything else must already have it, strictly: an integer is never a bool or a
+    float, a number is never a bool, NaN or infinite, a string is valid UTF-8 without
+    control characters. Then the field's range and ``check`` apply.
+
+    Raises:
+        ConfigError: ``"<name>: <problem and fix>"``, plus ``" (from <source>)"`` if given.
+    """
+    f = _FIELDS[name]
+    try:
+        return _normalise(f, _KINDS[name], value)
+    except _RuleError as exc:
+        where = f" (from {source})" if source else ""
+        raise ConfigError(f"{name}: {exc}{where}") from None
+
+
+def _normalise(f: dataclasses.Field[Any], kind: str, value: Any) -> Any:
+    meta = f.metadata
     if kind == "size":
-        return parse_size(value, name=where)
+        return _size_value(value)
     if kind == "duration":
-        return parse_duration(value, name=where)
-    type_name = str(annotation)
-    if not isinstance(value, str):
-        return value
-    if type_name.startswith("int"):
-        try:
-            return int(value)
-        except ValueError:
-            raise ConfigError(f"{where}: expected an integer, got {value!r}") from None
-    if type_name.startswith("float"):
-        try:
-            return float(value)
-        except ValueError:
-            raise ConfigError(f"{where}: expected a number, got {value!r}") from None
-    if type_name.startswith("bool"):
-        lowered = value.strip().lower()
-        if lowered in ("1", "true", "yes", "on"):
-            return True
-        if lowered in ("0", "false", "no", "off"):
-            return False
-        raise ConfigError(f"{where}: expected true or false, got {value!r}")
-    if "None" in type_name and value.strip() == "":
+        return _duration_value(value, positive=meta["positive"])
+    if kind == "optional-str" and (value is None or (isinstance(value, str) and not value.strip())):
         return None
+    if kind == "int":
+        value = _integer(value)
+        low, high = meta["low"], meta["high"]
+        if (low is not None and value < low) or (high is not None and value > high):
+            bound = f"in {low}..{high}" if high is not None else f">= {low}"
+            raise _RuleError(f"must be {bound}, got {value}")
+    elif kind == "float":
+        if isinstance(value, str):
+            value = _parse(float, value, "a number")
+        if not _is_number(value) or not -_MAX_INT <= value <= _MAX_INT:
+            raise _RuleError(f"expected a finite number, got {_show(value)}")
+        value = float(value)
+    elif kind == "bool":
+        if isinstance(value, str) and value.strip().lower() in _TRUE + _FALSE:
+            value = value.strip().lower() in _TRUE
+        if not isinstance(value, bool):
+            raise _RuleError(f"expected true or false, got {_show(value)}")
+    else:  # str, optional-str, choice
+        if not isinstance(value, str):
+            raise _RuleError(f"expected a string, got {_show(value)}")
+        _check_text(value)
+        if f.name == "log_level":
+            value = value.strip().lower()  # NOTE: INFO, Info and info are one setting
+        choices: tuple[str, ...] = meta["choices"]
+        if choices and value not in choices:
+            raise _RuleError(f"must be one of {', '.join(choices)}; got {_show(value)}")
+    check: Callable[[Any], None] | None = meta["check"]
+    if check is not None:
+        check(value)
     return value
 
 
-#: Values of ``log_level`` (the ``logging`` levels by name; empty: leave the logger alone).
-LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
-_HOSTNAME_RE = re.compile(
-    r"^(?=.{1,253}$)[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?"
-    r"(?:\.[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?)*$"
-)
-
-
-def _check_log_level(value: object) -> None:
-    if value == "" or value in LOG_LEVELS:
-        return
-    raise ConfigError(
-        f"log_level: must be one of {', '.join(LOG_LEVELS)} (or empty to leave the s3kv "
-        f"logger to the application); got {value!r}"
-    )
-
-
-def _check_address(value: object) -> None:
+def _integer(value: Any) -> int:
     if isinstance(value, str):
-        try:
-            ipaddress.ip_address(value)
-            return
-        except ValueError:
-            if _HOSTNAME_RE.match(value):
-                return
-    raise ConfigError(
-        "metrics_address: expected an IP address or host name to listen on, e.g. 127.0.0.1 "
-        "(loopback) or 0.0.0.0 (every interface), without a port (that is metrics_port); "
-        f"got {value!r}"
-    )
+        value = _parse(int, value, "an integer")
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise _RuleError(f"expected an integer, got {_show(value)}")
+    if not -_MAX_INT <= value <= _MAX_INT:
+        raise _RuleError(f"must be at most {_MAX_INT} in size, got {_show(value)}")
+    return value
 
 
-def _validate_field(name: str, value: Any, meta: Mapping[str, Any]) -> None:
-    choices: tuple[str, ...] = meta.get("choices", ())
-    if choices and value not in choices:
-        raise ConfigError(f"{name}: must be one of {', '.join(choices)}; got {value!r}")
-    kind = meta.get("kind")
-    if kind in ("size", "duration") and (
-        not isinstance(value, int | float) or isinstance(value, bool) or value < 0
-    ):
-        raise ConfigError(f"{name}: must be a non-negative number, got {value!r}")
+def _parse(parse: Callable[[str], Any], text: str, what: str) -> Any:
+    try:
+        return parse(text.strip())
+    except ValueError:  # NOTE: int() refuses more than 4300 digits with a ValueError too
+        raise _RuleError(f"expected {what}, got {_show(text)}") from None
 
 
 __all__ = [

@@ -193,9 +193,24 @@ class StagingCache:
             pool = self._free.get(nbytes)
             if pool:
                 return pool.pop()
-            if not self._make_room(nbytes):
+            if nbytes > self.budget_bytes:
                 return None
+            while self._used + nbytes > self.budget_bytes:
+                if self._drop_one_free_buffer():
+                    continue
+                victim = self._evict_one()
+                if victim is None:
+                    return None
+                if victim.nbytes == nbytes:
+                    # NOTE: the evicted buffer is reused as is: freeing it and allocating
+                    # a fresh one costs page faults (pinned: a cudaHostAlloc) per block, and
+                    # concurrent page faults serialize the I/O threads on the mmap lock.
+                    self._update_gauges()
+                    return victim
+                self._used -= victim.nbytes
+                self._allocator.free(victim)
             self._used += nbytes
+            self._update_gauges()
         try:
             return self._allocator.allocate(nbytes)
         except (RuntimeError, MemoryError) as exc:
@@ -231,21 +246,14 @@ class StagingCache:
 
     # --- internals (lock held) ---
 
-    def _make_room(self, nbytes: int) -> bool:
-        if nbytes > self.budget_bytes:
-            return False
-        while self._used + nbytes > self.budget_bytes:
-            if self._drop_one_free_buffer():
-                continue
-            victim = next((k for k, e in self._entries.items() if e.pins == 0), None)
-            if victim is None:
-                return False
-            entry = self._entries.pop(victim)
-            self._used -= entry.buffer.nbytes
-            self._allocator.free(entry.buffer)
-            self._metrics.inc("staging_evictions")
-        self._update_gauges()
-        return True
+    def _evict_one(self) -> HostBuffer | None:
+        """Drop the least recently used unpinned entry; its buffer (still counted in
+        ``_used``), or None when every entry is pinned."""
+        victim = next((k for k, e in self._entries.items() if e.pins == 0), None)
+        if victim is None:
+            return None
+        self._metrics.inc("staging_evictions")
+        return self._entries.pop(victim).buffer
 
     def _drop_one_free_buffer(self) -> bool:
         for size, pool in self._free.items():

@@ -199,10 +199,10 @@ def test_scope_by_model_and_fingerprint(moto_bucket: Bucket) -> None:
 @pytest.mark.parametrize(
     ("args", "needle", "code"),
     [
-        (["prune", "--older-than", "7x", "--bucket", "b"], "--older-than", 2),
-        (["prune", "--older-than", "0s", "--bucket", "b"], "--older-than", 2),
+        (["prune", "--older-than", "7x", "--bucket", "bkt"], "--older-than", 2),
+        (["prune", "--older-than", "0s", "--bucket", "bkt"], "--older-than", 2),
         (["prune", "--older-than", "7d", "--bogus"], "--bogus", 2),
-        (["prune", "--bucket", "b"], "--older-than", 2),
+        (["prune", "--bucket", "bkt"], "--older-than", 2),
     ],
 )
 def test_usage_errors_are_one_line(args: list[str], needle: str, code: int) -> None:

@@ -53,7 +53,7 @@ def identity(rank: int = 0, tp: int = 1) -> ModelIdentity:
 
 
 def make_store(backend: MemoryBackend, rank: int = 0, tp: int = 1, **cfg: object) -> KVStore:
-    config = S3KVConfig.load(environ={}, bucket="b", manifest_refresh_interval=0, **cfg)
+    config = S3KVConfig.load(environ={}, bucket="bkt", manifest_refresh_interval=0, **cfg)
     return KVStore.open(
         config, identity(rank, tp), backend=backend, allocator=NumpyAllocator(),
         pool=IOPool(0), start_background=False,
@@ -74,7 +74,7 @@ def put_blocks(store: KVStore, tokens: list[int], n: int) -> None:
 
 
 def core_for(*stores: KVStore, **cfg: object) -> SchedulerCore:
-    config = S3KVConfig.load(environ={}, bucket="b", **cfg)
+    config = S3KVConfig.load(environ={}, bucket="bkt", **cfg)
     core = SchedulerCore(config, TPB)
     core.attach(ShardStores(list(stores)), board=CompletionBoard.private(), manager="v1")
     return core
@@ -333,7 +333,7 @@ def test_requests_with_invisible_key_inputs_are_neither_claimed_nor_saved(
 def test_lora_requests_key_on_the_configured_adapter_revision() -> None:
     backend = MemoryBackend()
     store = make_store(backend)
-    config = S3KVConfig.load(environ={}, bucket="b", lora_revisions="3=commit:abc, 4=commit:def")
+    config = S3KVConfig.load(environ={}, bucket="bkt", lora_revisions="3=commit:abc, 4=commit:def")
     core = SchedulerCore(config, TPB)
     core.attach(ShardStores([store]), board=CompletionBoard.private(), manager="v1")
     lora = config.lora_revision_map()

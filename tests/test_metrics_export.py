@@ -360,7 +360,7 @@ def test_breaker_state_is_a_gauge_and_refused_requests_are_not_timed() -> None:
     breaker = CircuitBreaker(1, 10.0, clock=lambda: clock[0])
 
     class Down(MemoryBackend):
-        def get(self, key: str) -> bytes | None:
+        def get(self, key: str, *, max_bytes: int | None = None) -> bytes | None:
             raise EndpointError("down")
 
     metrics = Metrics()
@@ -384,7 +384,7 @@ def test_breaker_state_is_a_gauge_and_refused_requests_are_not_timed() -> None:
 
 def test_log_level_is_applied_to_the_s3kv_logger_only(s3kv_logger: logging.Logger) -> None:
     root_level = logging.getLogger().level
-    config = S3KVConfig.load(environ={"TLLM_S3KV_BUCKET": "t", "TLLM_S3KV_LOG_LEVEL": "DEBUG"})
+    config = S3KVConfig.load(environ={"TLLM_S3KV_BUCKET": "tst", "TLLM_S3KV_LOG_LEVEL": "DEBUG"})
     assert config.log_level == "debug"
     store = memory_store(config)
     store.close()
@@ -403,7 +403,7 @@ def test_log_level_is_applied_to_the_s3kv_logger_only(s3kv_logger: logging.Logge
 
 def test_an_empty_log_level_leaves_the_logger_alone(s3kv_logger: logging.Logger) -> None:
     s3kv_logger.setLevel(logging.ERROR)
-    config = S3KVConfig.load(environ={"TLLM_S3KV_BUCKET": "t"})
+    config = S3KVConfig.load(environ={"TLLM_S3KV_BUCKET": "tst"})
     assert config.log_level == ""
     memory_store(config).close()
     assert s3kv_logger.level == logging.ERROR

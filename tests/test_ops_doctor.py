@@ -99,9 +99,9 @@ class Recording(MemoryBackend):
         if self._hang is not None:
             self._hang.wait()  # an endpoint that accepts and never answers
 
-    def get(self, key: str) -> bytes | None:
+    def get(self, key: str, *, max_bytes: int | None = None) -> bytes | None:
         self.calls.append(("s3:GetObject", key))
-        return super().get(key)
+        return super().get(key, max_bytes=max_bytes)
 
     def head(self, key: str) -> ObjectInfo | None:
         self.calls.append(("s3:GetObject", key))
@@ -123,7 +123,7 @@ class Recording(MemoryBackend):
 
 def _doctor(backend: Backend, **kwargs: Any) -> DoctorReport:
     return run_doctor(
-        environ={}, overrides={"bucket": "b", "endpoint_url": "http://127.0.0.1:9"},
+        environ={}, overrides={"bucket": "bkt", "endpoint_url": "http://127.0.0.1:9"},
         open_backend=lambda cfg: backend, samples=1, **kwargs,
     )  # fmt: skip
 
@@ -141,7 +141,7 @@ def test_a_silent_endpoint_ends_at_the_deadline_with_progress_lines(aws_env: Non
     start = time.monotonic()
     try:
         report = run_doctor(
-            environ={}, overrides={"bucket": "b", "endpoint_url": "http://127.0.0.1:9"},
+            environ={}, overrides={"bucket": "bkt", "endpoint_url": "http://127.0.0.1:9"},
             open_backend=factory, timeout=1.0, progress=lines.append,
         )  # fmt: skip
     finally:
@@ -172,9 +172,9 @@ def test_steps_after_the_deadline_are_skipped(aws_env: None) -> None:
     now = [0.0]
 
     class Slow(Recording):
-        def get(self, key: str) -> bytes | None:
+        def get(self, key: str, *, max_bytes: int | None = None) -> bytes | None:
             now[0] += 30.0  # the deadline's clock jumps past 20 s while get runs
-            return super().get(key)
+            return super().get(key, max_bytes=max_bytes)
 
     report = _doctor(Slow(), monotonic=lambda: now[0])
     status = {c.name: c.status for c in report.checks}
@@ -261,7 +261,7 @@ def test_denied_deletes_name_the_grant_of_the_role(aws_env: None) -> None:
     pruner = {c.name: c for c in _doctor(NoBlockDeletes(), role="pruner").checks}
     assert pruner["delete"].status == "fail"
     assert "block objects" in pruner["delete"].detail
-    assert "grant s3:DeleteObject on arn:aws:s3:::b/s3kv/*" in (pruner["delete"].remedy or "")
+    assert "grant s3:DeleteObject on arn:aws:s3:::bkt/s3kv/*" in (pruner["delete"].remedy or "")
     engine = {c.name: c for c in _doctor(NoBlockDeletes(), role="engine").checks}
     assert engine["delete"].status == "ok"  # an engine never deletes blocks
     assert engine["delete"].detail == "allowed on manifest objects"

@@ -86,7 +86,7 @@ def stubbed() -> Iterator[tuple[Any, Stubber]]:
 class TestClientSettings:
     def test_checksums_off_and_path_style_for_custom_endpoint(self, aws_env: None) -> None:
         client = make_client(
-            S3KVConfig(bucket="b", endpoint_url="http://127.0.0.1:9", io_threads=16)
+            S3KVConfig(bucket="bkt", endpoint_url="http://127.0.0.1:9", io_threads=16)
         )
         config = client.meta.config
         assert config.s3 is not None
@@ -102,7 +102,7 @@ class TestClientSettings:
         self, aws_env: None, monkeypatch: pytest.MonkeyPatch
     ) -> None:
         def style() -> str:
-            s3 = make_client(S3KVConfig(bucket="b", addressing_style="auto")).meta.config.s3
+            s3 = make_client(S3KVConfig(bucket="bkt", addressing_style="auto")).meta.config.s3
             assert s3 is not None
             return str(s3["addressing_style"])
 
@@ -111,13 +111,13 @@ class TestClientSettings:
         assert style() == "path"
 
     def test_explicit_virtual_style_is_kept(self, aws_env: None) -> None:
-        cfg = S3KVConfig(bucket="b", endpoint_url="http://h:9", addressing_style="virtual")
+        cfg = S3KVConfig(bucket="bkt", endpoint_url="http://h:9", addressing_style="virtual")
         s3 = make_client(cfg).meta.config.s3
         assert s3 is not None
         assert s3["addressing_style"] == "virtual"
 
     def test_min_pool_size(self, aws_env: None) -> None:
-        client = make_client(S3KVConfig(bucket="b", io_threads=1))
+        client = make_client(S3KVConfig(bucket="bkt", io_threads=1))
         assert client.meta.config.max_pool_connections == 10
 
     def test_missing_bucket_setting(self) -> None:
@@ -126,7 +126,7 @@ class TestClientSettings:
 
     def test_unknown_profile_is_access_denied(self, aws_env: None) -> None:
         with pytest.raises(AccessDeniedError, match="no-such-profile"):
-            make_client(S3KVConfig(bucket="b", profile="no-such-profile"))
+            make_client(S3KVConfig(bucket="bkt", profile="no-such-profile"))
 
     def test_description(self, moto_backend: S3Backend, moto_server: str) -> None:
         assert moto_backend.description == f"s3://{moto_backend.bucket}/s3kv at {moto_server}"
@@ -314,13 +314,13 @@ class TestErrorsFromServers:
     ) -> None:
         monkeypatch.delenv("AWS_ACCESS_KEY_ID")
         monkeypatch.delenv("AWS_SECRET_ACCESS_KEY")
-        backend = S3Backend.from_config(s3_config(moto_server, "b", conditional_put="off"))
+        backend = S3Backend.from_config(s3_config(moto_server, "bkt", conditional_put="off"))
         with pytest.raises(AccessDeniedError, match="AWS_ACCESS_KEY_ID"):
             backend.get("k")
 
     def test_closed_port_is_endpoint_error_quickly(self, aws_env: None) -> None:
         endpoint = f"http://127.0.0.1:{free_port()}"  # nothing listens there
-        cfg = s3_config(endpoint, "b", connect_timeout=0.5, max_attempts=1, conditional_put="off")
+        cfg = s3_config(endpoint, "bkt", connect_timeout=0.5, max_attempts=1, conditional_put="off")
         backend = S3Backend.from_config(cfg)
         started = time.monotonic()
         with pytest.raises(EndpointError) as info:

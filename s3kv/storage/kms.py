@@ -16,12 +16,14 @@ from typing import Any
 import boto3
 import botocore.exceptions as bce
 
+from s3kv._logsetup import install_redaction
 from s3kv.errors import ConfigError
 
 _FOREIGN = (bce.BotoCoreError, bce.ClientError)
 
 
 def _client(region: str | None) -> Any:
+    install_redaction()  # NOTE: botocore logs KMS replies (plaintext data keys) at DEBUG
     try:
         return boto3.session.Session().client("kms", region_name=region or None)
     except _FOREIGN as exc:

@@ -46,6 +46,7 @@ import botocore.exceptions as bce
 import urllib3.exceptions
 from botocore.config import Config
 
+from s3kv._logsetup import install_redaction
 from s3kv.config import S3KVConfig
 from s3kv.errors import (
     AccessDeniedError,
@@ -63,6 +64,7 @@ from s3kv.storage.base import (
     Credentials,
     DeleteResult,
     ObjectInfo,
+    refuse_oversized,
 )
 
 if TYPE_CHECKING:
@@ -340,6 +342,7 @@ def make_client(
     Raises:
         StorageError: the profile does not exist or the settings are unusable.
     """
+    install_redaction()  # NOTE: botocore logs signing headers at DEBUG (s3kv._logsetup)
     style = cfg.addressing_style
     if style == "auto" and _custom_endpoint(cfg):
         style = "path"
@@ -450,16 +453,45 @@ class S3Backend(Backend):
     def _error(self, exc: BaseException, op: str, key: str | None) -> StorageError:
         return translate_error(exc, op=op, key=key, bucket=self._bucket, endpoint=self._endpoint)
 
-    def get(self, key: str) -> bytes | None:
+    def get(self, key: str, *, max_bytes: int | None = None) -> bytes | None:
         try:
             response = self._client.get_object(Bucket=self._bucket, Key=key)
-            return response["Body"].read()
+            return self._read_body(response, key, max_bytes)
         except bce.ClientError as exc:
             if _error_code(exc)[0] in _NOT_FOUND_CODES:
                 return None
             raise self._error(exc, "get", key) from exc
         except FOREIGN_ERRORS as exc:
             raise self._error(exc, "get", key) from exc
+
+    def _read_body(self, response: Any, key: str, max_bytes: int | None) -> bytes:
+        """The body of a GetObject response, refused unread when over ``max_bytes``.
+
+        NOTE: the bound is checked against Content-Length before any of the body is read,
+        and a refused body is closed, not drained: its connection is dropped (the next
+        request opens another) instead of receiving the object. A Range GET of
+        ``max_bytes + 1`` would read that much junk first, and S3 answers a Range on an
+        empty object with 416. Without a Content-Length (a proxy's chunked reply) at most
+        ``max_bytes + 1`` bytes are read.
+        """
+        body = response["Body"]
+        if max_bytes is None:
+            data: bytes = body.read()
+            return data
+        where = f"get s3://{self._bucket}/{key}"
+        length = response.get("ContentLength")
+        if length is not None and int(length) > max_bytes:
+            body.close()
+            refuse_oversized(where, int(length), max_bytes)
+        parts: list[bytes] = []
+        remaining = max_bytes + 1
+        while remaining > 0 and (chunk := body.read(remaining)):
+            parts.append(chunk)
+            remaining -= len(chunk)
+        if remaining == 0:
+            body.close()
+            refuse_oversized(where, max_bytes + 1, max_bytes)
+        return b"".join(parts)
 
     def put(self, key: str, data: bytes | memoryview, *, if_absent: bool = False) -> bool:
         # NOTE: botocore accepts bytes/bytearray/file objects but not memoryview; one copy
@@ -493,7 +525,12 @@ class S3Backend(Backend):
             raise self._error(exc, "head", key) from exc
         except FOREIGN_ERRORS as exc:
             raise self._error(exc, "head", key) from exc
-        return ObjectInfo(key, int(response["ContentLength"]), response["LastModified"].timestamp())
+        return ObjectInfo(
+            key,
+            int(response["ContentLength"]),
+            response["LastModified"].timestamp(),
+            str(response.get("ETag", "")).strip('"'),
+        )
 
     def delete_many(self, keys: Iterable[str]) -> DeleteResult:
         result = DeleteResult()
@@ -523,7 +560,10 @@ class S3Backend(Backend):
             for page in pages:
                 for item in page.get("Contents", []):
                     yield ObjectInfo(
-                        item["Key"], int(item["Size"]), item["LastModified"].timestamp()
+                        item["Key"],
+                        int(item["Size"]),
+                        item["LastModified"].timestamp(),
+                        str(item.get("ETag", "")).strip('"'),
                     )
         except FOREIGN_ERRORS as exc:
             raise self._error(exc, "list", None) from exc
@@ -613,6 +653,7 @@ def whoami(cfg: S3KVConfig) -> Credentials | None:
         StorageError: another failure of the credential chain.
     """
     try:
+        install_redaction()  # the chain may log STS replies at DEBUG
         creds = boto3.session.Session(profile_name=cfg.profile).get_credentials()
         key_id = "" if creds is None else str(getattr(creds, "access_key", "") or "")
     except FOREIGN_ERRORS as exc:
