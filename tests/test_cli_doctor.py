@@ -66,10 +66,22 @@ def test_doctor_reports_a_wrong_endpoint(aws_env: None) -> None:
 def test_doctor_reports_a_bad_setting(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("TLLM_S3KV_IO_THREADS", "many")
     result = invoke(["doctor", "--json", "--bucket", "b-x"])
-    assert result.exit_code == 1
+    assert result.exit_code == 2  # a settings error, as for every command
     (check,) = parse_json(result)["checks"]
     assert check["status"] == "fail"
     assert "io_threads" in check["detail"]
+
+
+def test_doctor_prints_brackets_in_settings_and_messages_as_text(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # rich parsed "[/x]" in a table cell as a closing tag and crashed with a traceback.
+    monkeypatch.setenv("TLLM_S3KV_BUCKET", "[/x]")
+    monkeypatch.setenv("TLLM_S3KV_PREFIX", "[bold]p")
+    result = invoke(["doctor"])
+    assert "Traceback" not in result.output
+    assert "[/x]" in result.output
+    assert_one_error_line(result, "failed checks: settings", code=2)
 
 
 @pytest.mark.seaweedfs

@@ -8,6 +8,7 @@ from typing import Annotated, Literal
 
 import typer
 from rich.console import Console
+from rich.text import Text
 
 from s3kv.cli.common import Common, bucket_command
 from s3kv.cli.context import CommandError, JsonOpt, runtime
@@ -85,21 +86,26 @@ def doctor(
     if not report.ok:
         failed = [c.name for c in report.checks if c.status == "fail"]
         where = f" at {report.endpoint}" if report.endpoint else ""
+        # NOTE: exit 2 when the settings themselves are invalid (as every other command),
+        # 1 for what the checks found about a bucket that the settings do describe.
+        code = 2 if failed == ["settings"] else 1
         raise CommandError(
-            f"failed checks: {', '.join(failed)}{where} (each with its remedy above)", 1
+            f"failed checks: {', '.join(failed)}{where} (each with its remedy above)", code
         )
 
 
 def _render_doctor(con: Console, report: DoctorReport) -> None:
+    # NOTE: cells are Text, not markup: settings and server messages may hold brackets
+    # ("[/x]", a botocore regex) that rich would parse as tags and fail on.
     settings = table("settings", "setting", "value", "from")
     for s in report.settings:
-        settings.add_row(s.name, s.value, s.source)
+        settings.add_row(Text(s.name), Text(s.value), Text(s.source))
     con.print(settings)
     checks = table("checks", "check", "status", "#ms", "detail")
     marks = {"ok": "ok", "warn": "WARN", "fail": "FAIL", "skip": "skip"}
     for c in report.checks:
         ms = f"{c.latency_ms:.1f}" if c.latency_ms is not None else ""
-        checks.add_row(c.name, marks.get(c.status, c.status), ms, c.detail)
+        checks.add_row(Text(c.name), marks.get(c.status, c.status), ms, Text(c.detail))
     con.print(checks)
     for c in report.checks:
         if c.remedy and c.status in ("fail", "warn"):
