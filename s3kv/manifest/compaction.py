@@ -42,7 +42,8 @@ class CompactionReport:
         shards: Its shard count.
         records_folded: Segment and delta records folded in.
         segments_folded: Segments folded in.
-        segments_corrupt: Segments skipped as corrupt (deleted like folded ones).
+        segments_corrupt: Segments corrupt in the bucket (two reads alike), deleted like
+            folded ones.
         keys_dropped: Live keys removed because they were in ``drop_keys``.
         listing_keys: Keys passed from a full listing.
         lost_race: Another compactor published first; nothing was replaced or deleted.

@@ -10,6 +10,9 @@ naming itself. Creating ``V + 1`` can succeed for one writer only, so:
 * a holder paused past its lease wakes, tries ``V + 1`` (or later), finds it taken and
   steps down before it deletes anything (it only ever deletes what a version *it*
   published made obsolete, which stays obsolete in every later version);
+* a holder paused so long that ``V + 1`` was swept meanwhile creates it, but the listing
+  that follows every create (:meth:`ManifestLog.append`) finds the newer entries: the
+  create counts as lost, ``LATEST`` is left alone, and the stray entry is swept later;
 * a holder killed mid-cycle leaves objects no entry names; the next holder's sweep
   deletes unreferenced objects older than the grace period.
 
@@ -38,7 +41,7 @@ import numpy as np
 
 from s3kv.errors import CodecError, StorageError
 from s3kv.manifest.format import RECORD_DTYPE, SEGMENTS_DIR, SNAPSHOTS_DIR, Records
-from s3kv.manifest.io import ManifestIO
+from s3kv.manifest.io import Fault, ManifestIO
 from s3kv.manifest.log import (
     LOG_DIR,
     DeltaRef,
@@ -53,7 +56,6 @@ from s3kv.manifest.snapshot import (
     coalesce,
     delta_write_keys,
     parallel,
-    read_delta,
     write_delta,
     write_snapshot,
 )
@@ -156,7 +158,9 @@ class CycleReport:
     Attributes:
         entry: The entry published (``None``: fenced, another instance holds the lease).
         segments: Segments folded.
-        corrupt: Segments skipped as corrupt (deleted like folded ones).
+        corrupt: Segments corrupt in the bucket (two reads alike), deleted like folded
+            ones. A segment whose read failed verification otherwise is left for the next
+            cycle.
         records: Records folded.
         action: ``"delta"``, ``"merge"``, ``"snapshot"``, ``"heartbeat"``, ``"idle"`` or
             ``"fenced"``.
@@ -261,8 +265,10 @@ class Compactor:
 
         One LIST from ``entry``. The conditional create of ``V + 1`` fences only while
         ``V + 1`` exists; entries are swept after ``keep_versions``, so a holder (or
-        candidate) woken from a pause longer than that could otherwise re-create a swept
-        version and fork the log. Listing sees every newer entry whatever the ``LATEST``
+        candidate) woken from a pause longer than that would re-create a swept version.
+        This listing saves it the work of a cycle; the one after the create
+        (:meth:`ManifestLog.append`) is what makes the stray entry harmless, because a
+        pause can also fall between the two. Listing sees every newer entry whatever the ``LATEST``
         hint says (a hint can be stale, garbage or far ahead: it never decides). A newer
         entry that is not valid (torn, hostile, a future format) occupies its number and
         nothing else: the next entry goes past it.
@@ -488,25 +494,33 @@ class Compactor:
 
         Reads in parallel batches, oldest names first, and stops once ``max_segments``
         names or ``snapshot_cap`` records are in hand: a cycle's memory is bounded whatever
-        piled up (the rest is folded by the next cycles).
+        piled up (the rest is folded by the next cycles). Both lists are deleted once the
+        entry is published, so a segment is called corrupt only when a second read shows
+        the same bytes at the listed size (:meth:`ManifestIO.read_records_checked`); one
+        that failed verification otherwise is left alone and read again next cycle.
         """
-        names = [name for name, _ in self.io.segments(0) if name not in self._pending]
-        names = names[: self.policy.max_segments]
+        listed = [item for item in self.io.segments(0) if item[0] not in self._pending]
+        listed = listed[: self.policy.max_segments]
         folded: list[str] = []
         corrupt: list[str] = []
         loaded: list[Records] = []
         records = 0
         step = 4 * PARALLEL_GETS
-        for start in range(0, len(names), step):
-            chunk = names[start : start + step]
-            for name, got in zip(chunk, parallel(self.io.read_segment_checked, chunk), strict=True):
-                if got is False:
+        for start in range(0, len(listed), step):
+            chunk = listed[start : start + step]
+            reads = parallel(lambda item: self.io.read_segment_checked(*item), chunk)
+            for (name, _size), got in zip(chunk, reads, strict=True):
+                if got is Fault.CORRUPT:
                     corrupt.append(name)
+                elif got is Fault.UNVERIFIED:
+                    # NOTE: maybe a fault on the way: neither folded nor deleted; the next
+                    # cycle reads it again (two GETs a cycle while the fault lasts).
                     continue
-                folded.append(name)
-                if got is not None:
-                    loaded.append(got)
-                    records += len(got)
+                else:
+                    folded.append(name)
+                    if got is not None:
+                        loaded.append(got)
+                        records += len(got)
             if records >= self.policy.snapshot_cap:
                 break
         new = coalesce(np.concatenate(loaded)) if loaded else np.zeros(0, RECORD_DTYPE)
@@ -523,12 +537,14 @@ class Compactor:
             cached = self._delta_cache.get(ref.path)
             if cached is not None:
                 return cached
-            try:
-                records = read_delta(self.io, ref.path)
-            except CodecError as exc:
-                logger.warning("s3kv manifest: skipping corrupt delta %s (%s)", ref.path, exc.kind)
-                records = None
-            return np.zeros(0, RECORD_DTYPE) if records is None else records
+            records = self.io.read_records_checked(ref.path, count=ref.records)
+            if records is Fault.UNVERIFIED:
+                # NOTE: the merge or snapshot replaces this delta, which is then deleted:
+                # folding it without its records would lose them for good. Retry the cycle.
+                raise StorageError(f"delta {ref.path} failed verification; cycle retried")
+            if records is None or records is Fault.CORRUPT:
+                return np.zeros(0, RECORD_DTYPE)  # NOTE: gone, or corrupt in the bucket
+            return records
 
         return parallel(one, list(entry.deltas))
 

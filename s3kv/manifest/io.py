@@ -1,9 +1,13 @@
-"""Counted access to one fingerprint's manifest objects, and the one segment writer.
+"""Counted access to one fingerprint's manifest objects, checked reads, the segment writer.
 
 :class:`ManifestIO` is the one place that issues manifest requests, and counts them; the
 live manifest (:mod:`s3kv.manifest.live`), compaction and usage loading all read and write
 through it. :class:`SegmentWriter` is the one way a segment is named and written: the live
 manifest flushes through it, and so does ``s3kv pin`` (:mod:`s3kv.ops.pins`).
+
+A read that fails verification may be a fault on the way rather than in the bucket:
+:meth:`ManifestIO.read_records_checked` tells the two apart as far as two reads can
+(:class:`Fault`), and :class:`RetryBook` keeps the ones to read again later, bounded.
 """
 
 from __future__ import annotations
@@ -11,7 +15,8 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable, Collection, Iterable, Iterator
-from typing import Final, Literal
+from enum import Enum
+from typing import Final
 
 import numpy as np
 
@@ -32,12 +37,22 @@ from s3kv.manifest.format import (
 )
 from s3kv.storage import DELETE_BATCH, Backend, ObjectInfo
 
-__all__ = ["ManifestIO", "SegmentWriter", "read_segments"]
+__all__ = ["Fault", "ManifestIO", "RetryBook", "SegmentWriter", "read_segments"]
 
 logger = logging.getLogger(__name__)
 
 _LIST_PAGE: Final = 1000
 _NAME_ATTEMPTS: Final = 5
+
+
+class Fault(Enum):
+    """Why a read gave no records although the object exists."""
+
+    #: Two identical bodies, as long as listed, fail verification: corrupt in the bucket.
+    CORRUPT = "corrupt"
+    #: Failed verification, but not the same way twice: a fault on the way, not proven
+    #: to be in the bucket (read it again later; never delete it on this evidence).
+    UNVERIFIED = "unverified"
 
 
 class ManifestIO:
@@ -117,15 +132,14 @@ class ManifestIO:
         return None if data is None else Current.from_json(data)
 
     def segments(self, cutoff_ms: int, skip: Collection[str] = ()) -> list[tuple[str, int]]:
-        """``(name, time ms)`` of segments created at or after ``cutoff_ms``, minus ``skip``.
+        """``(name, size)`` of segments created at or after ``cutoff_ms``, minus ``skip``.
 
         One listing request per 1000 names, starting at the cutoff (never the whole history).
         """
         found: list[tuple[str, int]] = []
-        for name, _size in self.list_dir(SEGMENTS_DIR, segments_start_after(cutoff_ms)):
-            time_ms = segment_time_ms(name)
-            if time_ms is not None and name not in skip:
-                found.append((name, time_ms))
+        for name, size in self.list_dir(SEGMENTS_DIR, segments_start_after(cutoff_ms)):
+            if segment_time_ms(name) is not None and name not in skip:
+                found.append((name, size))
         return found
 
     def read_segment(self, name: str) -> Records | None:
@@ -133,13 +147,57 @@ class ManifestIO:
         data = self.get(SEGMENTS_DIR + name)
         return None if data is None else decode_records(data)
 
-    def read_segment_checked(self, name: str) -> Records | Literal[False] | None:
-        """Like :meth:`read_segment`, but a corrupt segment is logged and gives ``False``."""
+    def read_segment_checked(self, name: str, size: int | None = None) -> Records | Fault | None:
+        """Segment ``name`` read with :meth:`read_records_checked`."""
+        return self.read_records_checked(SEGMENTS_DIR + name, size)
+
+    def read_records_checked(
+        self, path: str, size: int | None = None, *, count: int | None = None
+    ) -> Records | Fault | None:
+        """The verified records of a segment-format object (segment or delta), or why not.
+
+        ``None``: it is gone. A body that fails verification is read once more: a fault on
+        the way (a flipped bit, a body cut short) rarely repeats, and the second body is
+        used if it verifies. Otherwise :attr:`Fault.CORRUPT` only when both bodies are
+        identical and as long as the object is (``size`` from a listing, else one HEAD):
+        the object in the bucket is corrupt, and deleting it loses nothing readable. Else
+        :attr:`Fault.UNVERIFIED`: read it again later, and never delete it on this
+        evidence. ``count`` is the record count the caller knows (a delta's, from its log
+        entry): a body declaring another fails verification.
+
+        Raises:
+            StorageError: a request failed.
+        """
+        data = self.get(path)
+        if data is None:
+            return None
         try:
-            return self.read_segment(name)
+            return decode_records(data, count=count)
         except CodecError as exc:
-            logger.warning("s3kv manifest: skipping corrupt segment %s (%s)", name, exc.kind)
-            return False
+            first = exc
+        again = self.get(path)
+        if again is None:
+            return None
+        try:
+            return decode_records(again, count=count)
+        except CodecError:
+            pass
+        if size is None and again == data:
+            self._count()
+            info = self.backend.head(self.root + path)
+            if info is None:
+                return None
+            size = info.size
+        if again == data and len(data) == size:
+            logger.warning("s3kv manifest: skipping corrupt object %s (%s)", path, first.kind)
+            return Fault.CORRUPT
+        logger.info(
+            "s3kv manifest: %s failed verification twice (%s), not the same way or not at its "
+            "stored size: taken for a fault on the way, to read again later",
+            path,
+            first.kind,
+        )
+        return Fault.UNVERIFIED
 
     def read_usage(self, current: Current) -> Records:
         """The usage table of ``current``'s snapshot.
@@ -153,24 +211,86 @@ class ManifestIO:
         return decode_usage(data)
 
 
-def read_segments(io: ManifestIO, names: Iterable[str]) -> tuple[Records, list[str], list[str]]:
-    """(records, names read, names corrupt) of ``names``; a segment that vanished is neither.
+def read_segments(
+    io: ManifestIO, segments: Iterable[tuple[str, int]]
+) -> tuple[Records, list[str], list[str]]:
+    """(records, names read, names not read) of ``(name, listed size)`` pairs.
 
-    The records of every segment read come back as one array. Corrupt segments are logged
-    (WARNING) and skipped; storage errors propagate.
+    A segment that vanished is neither read nor counted. The records of every segment read
+    come back as one array. Segments that cannot be read (:meth:`ManifestIO.read_records_checked`:
+    corrupt, or failing verification on both reads) are logged and skipped; storage errors
+    propagate.
     """
     batches: list[Records] = []
     read: list[str] = []
-    corrupt: list[str] = []
-    for name in names:
-        records = io.read_segment_checked(name)
-        if records is False:
-            corrupt.append(name)
+    unread: list[str] = []
+    for name, size in segments:
+        records = io.read_segment_checked(name, size)
+        if isinstance(records, Fault):
+            unread.append(name)
         elif records is not None:
             batches.append(records)
             read.append(name)
     records = np.concatenate(batches) if batches else np.zeros(0, RECORD_DTYPE)
-    return records, read, corrupt
+    return records, read, unread
+
+
+class RetryBook:
+    """Names whose reads failed, to read again on later rounds: bounded in names and tries.
+
+    A name is read again 1, 2, 4, then 8 rounds after its failures and given up at the
+    ``attempts``-th; at most ``names`` are held, and a failure beyond that is given up at
+    once. A writer that plants any number of unreadable objects therefore costs at most
+    ``names`` entries (about 200 bytes each) and ``names`` extra reads in one round, and
+    each object at most ``attempts`` failed reads. Not thread-safe (one refresher uses it).
+
+    Args:
+        names: Most names held.
+        attempts: Failed reads of one name before it is given up.
+    """
+
+    def __init__(self, names: int = 256, attempts: int = 5) -> None:
+        self.names = names
+        self.attempts = attempts
+        self._round = 0
+        self._held: dict[str, tuple[int, int]] = {}  # name -> (failures, round due)
+
+    def __len__(self) -> int:
+        return len(self._held)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._held
+
+    def held(self) -> list[str]:
+        """Every name held, due or not."""
+        return list(self._held)
+
+    def next_round(self) -> None:
+        """Start a round (each refresh is one)."""
+        self._round += 1
+
+    def due(self, name: str) -> bool:
+        """Whether to read ``name`` in this round (a name not held always is)."""
+        held = self._held.get(name)
+        return held is None or held[1] <= self._round
+
+    def failed(self, name: str) -> bool:
+        """Count a failed read of ``name``; ``True`` if it will be read again, ``False``
+        if it is given up (too many failures, or no room)."""
+        failures = self._held.get(name, (0, 0))[0] + 1
+        if failures >= self.attempts or (name not in self._held and len(self) >= self.names):
+            self._held.pop(name, None)
+            return False
+        self._held[name] = (failures, self._round + (1 << (failures - 1)))
+        return True
+
+    def forget(self, name: str) -> None:
+        """Stop tracking ``name`` (read at last, gone, or no longer needed)."""
+        self._held.pop(name, None)
+
+    def clear(self) -> None:
+        """Forget every name."""
+        self._held.clear()
 
 
 class SegmentWriter:

@@ -36,7 +36,7 @@ import time
 from collections import Counter
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Final
+from typing import Final, TypeGuard
 
 import numpy as np
 import numpy.typing as npt
@@ -54,10 +54,10 @@ from s3kv.manifest.format import (
     Records,
     valid_instance_id,
 )
-from s3kv.manifest.io import ManifestIO, SegmentWriter
-from s3kv.manifest.log import LogEntry, ManifestLog
+from s3kv.manifest.io import Fault, ManifestIO, RetryBook, SegmentWriter
+from s3kv.manifest.log import DeltaRef, LogEntry, ManifestLog
 from s3kv.manifest.queue import RecordQueue
-from s3kv.manifest.snapshot import delta_write_keys, parallel, read_delta, read_filters
+from s3kv.manifest.snapshot import delta_write_keys, parallel, read_filters
 from s3kv.storage import Backend
 
 __all__ = ["Manifest"]
@@ -74,6 +74,8 @@ _CATCH_UP: Final = 4
 _MAX_GROWTH: Final = 1 << 24
 #: Segment names remembered in format-1 mode (names seen are skipped).
 _MAX_SEEN: Final = 1_000_000
+#: Newest log entries tried when the one applied names objects that are gone.
+_WALK_BACK: Final = 8
 
 _COUNTERS: Final = (
     "segments_written",
@@ -93,6 +95,10 @@ _COUNTERS: Final = (
     "takeovers",
     "fenced",
 )
+
+
+def _is_records(got: Records | Fault | None) -> TypeGuard[Records]:
+    return got is not None and not isinstance(got, Fault)
 
 
 def _check_keys(keys: Sequence[bytes]) -> None:
@@ -149,6 +155,8 @@ class Manifest:
         self._loaded_deltas: set[str] = set()
         self._no_log = False  # the log was read and is empty (not merely unreadable)
         self._seen: set[str] = set()  # format-1 mode: segment names read
+        # NOTE: segments (format-1 mode) or deltas that could not be read: read again later.
+        self._unread = RetryBook()
         self._compactor: Compactor | None = None
         if compaction is not None:
             policy = CompactionPolicy(**{**vars(compaction), "fpr": fpr, "grace_s": grace_s})
@@ -422,6 +430,7 @@ class Manifest:
             return added
 
     def _refresh(self) -> int:
+        self._unread.next_round()
         entry = self._entry
         if entry is None:
             latest = self._log.latest()  # NOTE: walks back past corrupt entries itself
@@ -429,7 +438,11 @@ class Manifest:
             self._no_log = latest is None and not self._log.versions_after(0)
             if latest is None:
                 return self._read_segments_v1()
-            return self._apply(latest)
+            return self._apply_or_newer(latest)
+        return self._follow(entry) + self._read_unread()
+
+    def _follow(self, entry: LogEntry) -> int:
+        """Apply the entries after ``entry``: one by one, or a jump to the newest."""
         added, probe = 0, self.version + 1
         for _ in range(_CATCH_UP):
             try:
@@ -447,10 +460,32 @@ class Manifest:
                 if self._log.hint() <= probe:
                     return added
                 break
-            added += self._apply(nxt)
+            added += self._apply_or_newer(nxt)
             probe = self.version + 1
         latest = self._log.latest()  # far behind: jump to the newest
-        return added + (self._apply(latest) if latest is not None else 0)
+        return added + (self._apply_or_newer(latest) if latest is not None else 0)
+
+    def _apply_or_newer(self, entry: LogEntry) -> int:
+        """Apply ``entry``, or the newest entry after it if what ``entry`` names is gone.
+
+        An entry names objects deleted ``grace_s`` after a later one replaced them: this
+        instance lagged that long, or a stale ``LATEST`` hint led it there. A later entry
+        names their replacements: one listing finds it (only when loading failed).
+
+        Raises:
+            CodecError: the newest entry cannot be loaded either (the refresh counts it).
+        """
+        try:
+            return self._apply(entry)
+        except CodecError:
+            for version in reversed(self._log.versions_after(entry.version)[-_WALK_BACK:]):
+                try:
+                    newer = self._log.read(version)
+                except CodecError:
+                    continue  # NOTE: a corrupt entry occupies its number: the one before
+                if newer is not None:
+                    return self._apply(newer)
+            raise
 
     def _count_corrupt_entry(self, exc: CodecError) -> None:
         with self._lock:
@@ -476,20 +511,26 @@ class Manifest:
         )
         if previous is None or new_snapshot:
             return self._reload(entry)
-        consecutive = entry.version == previous.version + 1
+        # NOTE: a merged delta holds the deltas before it: skipped after applying them
+        # all, read when one of them could not be read (it holds that one's keys too).
+        skip_merged = entry.version == previous.version + 1 and not len(self._unread)
         fresh = [
             d
             for d in entry.deltas
-            if d.path not in self._loaded_deltas and not (d.merged and consecutive)
+            if d.path not in self._loaded_deltas
+            and d.path not in self._unread
+            and not (d.merged and skip_merged)
         ]
-        batches = self._fetch_deltas([d.path for d in fresh])
+        batches = self._fetch_deltas(fresh)
         if any(batch is None for batch in batches):
-            # NOTE: a delta gone (a snapshot superseded it) or unreadable: skipping it would
-            # leave its keys out until the next snapshot; rebuild from the newest entry.
+            # NOTE: a delta gone (a snapshot superseded it): skipping it would leave its
+            # keys out until the next snapshot; rebuild from the newest entry.
             newest = self._log.latest()
             return self._reload(newest if newest and newest.version > entry.version else entry)
         added = self._add_deltas(self._filter, batches)
-        self._set_entry(entry, {d.path for d in entry.deltas})
+        unread = [d.path for d, got in zip(fresh, batches, strict=True) if isinstance(got, Fault)]
+        self._book_unread(entry, unread)
+        self._set_entry(entry, {d.path for d in entry.deltas} - set(self._unread.held()))
         return added
 
     def _reload(self, entry: LogEntry) -> int:
@@ -501,7 +542,7 @@ class Manifest:
         paths = [d.path for d in entry.deltas]
         with ThreadPoolExecutor(2, thread_name_prefix="s3kv-manifest-load") as pool:
             shards = pool.submit(read_filters, self._io, snapshot) if snapshot else None
-            deltas = pool.submit(self._fetch_deltas, paths)
+            deltas = pool.submit(self._fetch_deltas, list(entry.deltas))
             loaded = shards.result() if shards is not None else None
             batches = deltas.result()
         if snapshot is None or loaded is None:
@@ -518,6 +559,7 @@ class Manifest:
                 growth_capacity=min(max(self._capacity, snapshot.keys // 8), _MAX_GROWTH),
             )
         added = self._add_deltas(built, batches)
+        unread = [p for p, got in zip(paths, batches, strict=True) if not _is_records(got)]
         with self._lock:
             built.carry(self._filter)
             # NOTE: writes recorded meanwhile are pending or in flight: keep them.
@@ -526,40 +568,73 @@ class Manifest:
                 built.add_local(writes)
             self._filter = built
             self._counters["reloads"] += 1
-        self._set_entry(entry, set(paths))
+        for path in set(paths) - set(unread):
+            self._unread.forget(path)  # NOTE: read at last (a reload reads every delta)
+        self._book_unread(entry, unread)
+        self._set_entry(entry, set(paths) - set(self._unread.held()))
         return added + (snapshot.keys if snapshot else 0)
 
-    def _fetch_deltas(self, paths: list[str]) -> list[Records | None]:
-        """Delta records, fetched in parallel (``None``: gone or corrupt, counted)."""
+    def _fetch_deltas(self, refs: list[DeltaRef]) -> list[Records | Fault | None]:
+        """Delta records, fetched in parallel (``None``: gone; a :class:`Fault`: unreadable)."""
 
-        def one(path: str) -> Records | None:
+        def one(ref: DeltaRef) -> Records | Fault | None:
             # NOTE: the compactor instance applies its own entries: it has their deltas.
-            cached = self._compactor.cached_delta(path) if self._compactor else None
+            cached = self._compactor.cached_delta(ref.path) if self._compactor else None
             if cached is not None:
                 return cached
-            try:
-                return read_delta(self._io, path)
-            except CodecError as exc:
-                with self._lock:
-                    self._counters["segments_corrupt"] += 1
-                self._log_once(
-                    "delta", "s3kv manifest: skipping corrupt delta %s (%s)", path, exc.kind
-                )
-                return None
+            return self._io.read_records_checked(ref.path, count=ref.records)
 
-        batches = parallel(one, paths)
+        batches = parallel(one, refs)
         with self._lock:
-            self._counters["deltas_read"] += len(paths)
+            self._counters["deltas_read"] += len(refs)
         return batches
 
-    def _add_deltas(self, into: KeyFilter, batches: list[Records | None]) -> int:
+    def _add_deltas(self, into: KeyFilter, batches: Sequence[Records | Fault | None]) -> int:
         added = 0
         for records in batches:
-            if records is not None:
+            if _is_records(records):
                 keys = delta_write_keys(records)
                 into.add_array(keys)
                 added += len(keys)
         return added
+
+    def _book_unread(self, entry: LogEntry, unread: list[str]) -> None:
+        """Keep ``entry``'s deltas that could not be read (``unread``) to read again later.
+
+        Names ``entry`` no longer lists are forgotten: what replaced them (a snapshot, a
+        merged delta) was loaded instead.
+        """
+        named = {d.path for d in entry.deltas}
+        for path in self._unread.held():
+            if path not in named:
+                self._unread.forget(path)
+        for path in unread:
+            if not self._unread.failed(path):
+                self._give_up(path)
+
+    def _read_unread(self) -> int:
+        """Read again the current entry's deltas that could not be read (when due)."""
+        entry = self._entry
+        if entry is None or not len(self._unread):
+            return 0
+        due = [d for d in entry.deltas if d.path in self._unread and self._unread.due(d.path)]
+        batches = self._fetch_deltas(due)
+        added = self._add_deltas(self._filter, batches)
+        for path, got in zip([d.path for d in due], batches, strict=True):
+            if isinstance(got, Fault):
+                if not self._unread.failed(path):
+                    self._give_up(path)
+                continue
+            self._unread.forget(path)
+            if got is not None:
+                with self._lock:
+                    self._loaded_deltas.add(path)
+        return added
+
+    def _give_up(self, name: str) -> None:
+        with self._lock:
+            self._counters["segments_corrupt"] += 1
+        self._log_once("unread", "s3kv manifest: giving up on %s: it cannot be read", name)
 
     def _set_entry(self, entry: LogEntry, deltas: set[str]) -> None:
         with self._lock:
@@ -569,20 +644,30 @@ class Manifest:
             self._seen.clear()
 
     def _read_segments_v1(self) -> int:
-        """No log yet: read every segment not read before (format 1, no compactor)."""
-        names = [name for name, _ in self._io.segments(0) if name not in self._seen]
+        """No log yet: read every segment not read before (format 1, no compactor).
+
+        A segment that fails verification, but not provably in the bucket, is read again
+        at later refreshes (:class:`~s3kv.manifest.io.RetryBook` bounds how often).
+        """
+        listed = [
+            (name, size)
+            for name, size in self._io.segments(0)
+            if name not in self._seen and self._unread.due(name)
+        ]
+        reads = parallel(lambda item: self._io.read_segment_checked(*item), listed)
         added = 0
-        for name, records in zip(
-            names, parallel(self._io.read_segment_checked, names), strict=True
-        ):
+        for (name, _size), records in zip(listed, reads, strict=True):
+            if records is Fault.UNVERIFIED and self._unread.failed(name):
+                continue  # NOTE: read again at a later refresh
+            self._unread.forget(name)
             with self._lock:
-                if records is False:
+                if isinstance(records, Fault):
                     self._counters["segments_corrupt"] += 1
                 elif records is not None:
                     self._counters["segments_read"] += 1
                 if len(self._seen) < _MAX_SEEN:
                     self._seen.add(name)
-            if records is not None and records is not False:
+            if _is_records(records):
                 writes = records["key"][records["kind"] == KIND_WRITE]
                 self._filter.add_array(writes)
                 added += len(writes)

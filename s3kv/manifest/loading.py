@@ -12,12 +12,13 @@ from __future__ import annotations
 
 import numpy as np
 
+from s3kv.errors import CodecError, StorageError
 from s3kv.manifest.compactor import legacy_usage
 from s3kv.manifest.filters import shard_of
 from s3kv.manifest.format import USAGE_DTYPE, Records
-from s3kv.manifest.io import ManifestIO, read_segments
-from s3kv.manifest.log import ManifestLog
-from s3kv.manifest.snapshot import parallel, read_delta, usage_shards
+from s3kv.manifest.io import Fault, ManifestIO, read_segments
+from s3kv.manifest.log import DeltaRef, ManifestLog
+from s3kv.manifest.snapshot import parallel, usage_shards
 from s3kv.manifest.usage import UsageTable, fold, fold_sorted
 from s3kv.storage import Backend
 
@@ -36,12 +37,28 @@ def hottest(rows: Records, top: int) -> Records:
     return ordered
 
 
+def _read_delta(io: ManifestIO, ref: DeltaRef) -> Records | None:
+    """A delta's records (``None``: gone); a read that fails verification is read again.
+
+    Raises:
+        CodecError: corrupt in the bucket.
+        StorageError: failed verification twice, differently (a fault on the way: retry).
+    """
+    records = io.read_records_checked(ref.path, count=ref.records)
+    if records is Fault.CORRUPT:
+        raise CodecError(f"delta: {ref.path} is corrupt")
+    if records is Fault.UNVERIFIED:
+        raise StorageError(f"delta: {ref.path} failed verification twice; retry")
+    return records
+
+
 def load_usage(
     backend: Backend, prefix: str, fingerprint: str, *, top: int | None = None
 ) -> UsageTable:
     """The usage of every live key (or of the ``top`` hottest), everything uncompacted folded in.
 
-    Corrupt segments are skipped and counted in :attr:`UsageTable.segments_corrupt`.
+    Segments that cannot be read are skipped and counted in :attr:`UsageTable.segments_corrupt`
+    (a read that fails verification is read once more first: a fault on the way heals).
 
     Raises:
         StorageError: the bucket failed.
@@ -52,10 +69,9 @@ def load_usage(
     skip = frozenset(entry.folded) if entry is not None else frozenset[str]()
     pending: list[Records] = []
     if entry is not None:
-        loaded = parallel(lambda ref: read_delta(io, ref.path), list(entry.deltas))
+        loaded = parallel(lambda ref: _read_delta(io, ref), list(entry.deltas))
         pending = [d for d in loaded if d is not None]
-    names = [name for name, _ in io.segments(0) if name not in skip]
-    segments, read, corrupt = read_segments(io, names)
+    segments, read, corrupt = read_segments(io, io.segments(0, skip))
     records = np.concatenate([*pending, segments]) if pending else segments
     snapshot = entry.snapshot if entry is not None else None
     if snapshot is None:

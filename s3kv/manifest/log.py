@@ -29,6 +29,8 @@ __all__ = [
     "LATEST_NAME",
     "LOG_DIR",
     "LOG_FORMAT",
+    "MAX_ENTRY_BYTES",
+    "MAX_HINT_BYTES",
     "DeltaRef",
     "LogEntry",
     "ManifestLog",
@@ -51,8 +53,13 @@ _MAX_VERSION: Final = 10**18
 _MAX_LEASE_S: Final = 7 * 86400.0
 _MAX_SHARD_KEYS: Final = 1 << 32
 _FP_BITS: Final = frozenset({8, 16, 24, 32})
-#: An entry is small (a few KB plus the folded segment names); refuse absurd ones.
-_MAX_ENTRY_BYTES: Final = 64 * 1024 * 1024
+#: An entry is small: a few KB, plus a cycle's folded segment names (at most 20k of at
+#: most 90 bytes: 1.8 MB) and its shard key counts (at most 65536: 0.8 MB). Refused before
+#: parsing: NOTE: json.loads makes ~10x its input in Python objects, so this bounds a
+#: hostile entry's cost to ~200 MB (64 MiB allowed ~1 GB).
+MAX_ENTRY_BYTES: Final = 16 * 1024 * 1024
+#: ``LATEST`` is ``{"version": N}``; a longer one is not a hint.
+MAX_HINT_BYTES: Final = 4096
 
 
 def log_name(version: int) -> str:
@@ -207,8 +214,10 @@ class LogEntry:
             UnsupportedVersionError: an entry of another format.
             CodecError: not a valid entry.
         """
-        if len(data) > _MAX_ENTRY_BYTES:
-            raise CodecError(f"log entry: {len(data)} bytes is too large")
+        if len(data) > MAX_ENTRY_BYTES:
+            raise CodecError(
+                f"log entry: {len(data)} bytes is over the {MAX_ENTRY_BYTES}-byte bound"
+            )
         try:
             payload = json.loads(data.decode("utf-8"))
             if not isinstance(payload, dict):
@@ -286,6 +295,8 @@ class ManifestLog:
     def hint(self) -> int:
         """The version ``LATEST`` names (0 when absent or unreadable)."""
         data = self.io.get(LATEST_NAME)
+        if data is not None and len(data) > MAX_HINT_BYTES:
+            return 0  # NOTE: not parsed: a hint is only a hint
         try:
             value = json.loads(data)["version"] if data else 0
             return value if isinstance(value, int) and 0 <= value < _MAX_VERSION else 0
@@ -327,12 +338,20 @@ class ManifestLog:
         return None
 
     def append(self, entry: LogEntry) -> bool:
-        """Create ``entry`` if its version is free; ``False`` when another writer has it.
+        """Create ``entry`` if its version is free; ``False`` when another writer has it,
+        or when the log had already moved past it.
 
-        Then overwrites the ``LATEST`` hint (best effort: a lagging hint costs readers a
-        probe, nothing else).
+        A version is also free once swept (entries far behind the newest are deleted): a
+        writer paused between choosing ``V`` and creating it would create a stray entry
+        behind the log. So one listing after the create checks that nothing newer exists;
+        if something does, the entry is a stray (readers following the log never reach it;
+        the sweep deletes it) and this returns ``False`` as if ``V`` were taken. Only then
+        is the ``LATEST`` hint overwritten (best effort: a lagging hint costs readers a
+        probe), so the hint never names a stray.
         """
         if not self.io.put(log_name(entry.version), entry.to_json(), if_absent=True):
+            return False
+        if self.versions_after(entry.version):
             return False
         payload = json.dumps({"version": entry.version}).encode("utf-8")
         # NOTE: the entry is published; a stale hint only costs readers a probe.
