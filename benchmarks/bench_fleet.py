@@ -227,9 +227,9 @@ class CountingBackend(DelegatingBackend):
             depth.append(1 + max(before, default=0))
         return max(depth, default=0)
 
-    def get(self, key: str) -> bytes | None:
+    def get(self, key: str, *, max_bytes: int | None = None) -> bytes | None:
         self._op("GET")
-        return self.inner.get(key)
+        return self.inner.get(key, max_bytes=max_bytes)
 
     def put(self, key: str, data: bytes | memoryview, *, if_absent: bool = False) -> bool:
         self._op("PUT")

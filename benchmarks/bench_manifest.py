@@ -74,9 +74,9 @@ class CountingBackend(DelegatingBackend):
         super().__init__(inner)
         self.requests = 0
 
-    def get(self, key: str) -> bytes | None:
+    def get(self, key: str, *, max_bytes: int | None = None) -> bytes | None:
         self.requests += 1
-        return self.inner.get(key)
+        return self.inner.get(key, max_bytes=max_bytes)
 
     def put(self, key: str, data: bytes | memoryview, *, if_absent: bool = False) -> bool:
         self.requests += 1

@@ -271,6 +271,18 @@ def encode(
     return _assemble(codec, layout, dtype, shape, hasher.digest(), key_digest(key))
 
 
+def max_object_len(raw_len: int) -> int:
+    """Longest object :func:`encode` writes for ``raw_len`` raw bytes: a bound for reading
+    one (``Backend.get(max_bytes=...)``).
+
+    Every section is stored at most as long as its raw bytes (a frame that does not shrink
+    them is stored as is), and the header is fixed fields, up to 32 dims and 9 bytes per
+    section, of which there are at most two per :data:`~s3kv._planes.PLANE_CHUNK`.
+    """
+    sections = 2 * -(-raw_len // _planes.PLANE_CHUNK) + 1
+    return raw_len + _MIN_HEADER + 8 * _MAX_NDIM + _SECTION.size * sections
+
+
 def read_header(blob: Bytes) -> Header:
     """Parse and verify an object's header and its length against the blob's.
 
@@ -432,8 +444,9 @@ def decode(
     payload = memoryview(blob).cast("B")[header.header_len :]
     # NOTE: checked first so that no corrupt byte ever reaches the zstd decoder, and so that
     # corruption is reported as such even where a decoder would ignore it (a frame's
-    # unused header bits). 20 us per 1.5 MB block.
-    if xxhash.xxh3_64_digest(payload) != header.payload_checksum:
+    # unused header bits). 20 us per 1.5 MB block. The constructor, not xxh3_64_digest:
+    # xxhash 3.x's one-shot functions hash under the GIL, which serializes decoding threads.
+    if xxhash.xxh3_64(payload).digest() != header.payload_checksum:
         raise ChecksumError("payload does not match its xxh3_64 checksum")
     src = np.frombuffer(memoryview(blob).cast("B"), np.uint8)
     # NOTE: the decoders hash each chunk of output right after writing it, while it is in
@@ -462,5 +475,6 @@ __all__ = [
     "decode",
     "encode",
     "key_digest",
+    "max_object_len",
     "read_header",
 ]

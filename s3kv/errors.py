@@ -113,7 +113,7 @@ class ObjectTooLargeError(StorageError):
     """An object is longer than the ``max_bytes`` its reader allowed; its body was not read.
 
     The server answered normally: the object, not the service, is at fault (a foreign or
-    corrupt object under an s3kv key), so the circuit breaker does not count it.
+    corrupt object under an s3kv key), so the circuit breaker counts it as an answer.
     """
 
     kind = "too_large"

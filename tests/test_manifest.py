@@ -90,9 +90,9 @@ class CountingBackend(Backend):
     def description(self) -> str:
         return "counting"
 
-    def get(self, key: str) -> bytes | None:
+    def get(self, key: str, *, max_bytes: int | None = None) -> bytes | None:
         self._op("get")
-        return self.inner.get(key)
+        return self.inner.get(key, max_bytes=max_bytes)
 
     def put(self, key: str, data: bytes | memoryview, *, if_absent: bool = False) -> bool:
         self._op("put")

@@ -126,10 +126,20 @@ def write_delta(io: ManifestIO, path: str, records: Records) -> None:
     io.put(path, encode_records(records))
 
 
-def read_delta(io: ManifestIO, path: str) -> Records | None:
-    """A delta's records; ``None`` if it is gone (a newer snapshot superseded it)."""
+def read_delta(io: ManifestIO, path: str, *, records: int | None = None) -> Records | None:
+    """A delta's records; ``None`` if it is gone (a newer snapshot superseded it).
+
+    Args:
+        io: The manifest's objects.
+        path: The delta's path.
+        records: Its record count, from its :class:`~s3kv.manifest.log.DeltaRef`: an object
+            declaring another is corrupt (checked before anything is allocated).
+
+    Raises:
+        CodecError: corrupt.
+    """
     data = io.get(path)
-    return None if data is None else decode_records(data)
+    return None if data is None else decode_records(data, count=records)
 
 
 # --- snapshots ------------------------------------------------------------------------
@@ -139,13 +149,13 @@ def read_usage_shard(io: ManifestIO, ref: SnapshotRef, shard: int) -> Records:
     """Usage rows of one shard.
 
     Raises:
-        CodecError: missing or corrupt.
+        CodecError: missing or corrupt, or not holding the rows ``ref`` counts for it.
     """
     path = ref.usage_path(shard)
     data = io.get(path)
     if data is None:
         raise CodecError(f"usage: {path} is missing")
-    return decode_usage(data)
+    return decode_usage(data, count=ref.shard_keys[shard])
 
 
 def usage_shards(io: ManifestIO, ref: SnapshotRef | None) -> Iterator[tuple[int, Records]]:

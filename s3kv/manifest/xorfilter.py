@@ -450,6 +450,11 @@ class XorFilter:
 
     # --- serialization --------------------------------------------------------------------
 
+    @staticmethod
+    def serialized_size(keys: int, fp_bits: int) -> int:
+        """Length of :meth:`to_bytes` for a filter of ``keys`` keys (a bound for a GET)."""
+        return _HEADER.size + _slots_for(keys) * (fp_bits // 8)
+
     def to_bytes(self) -> bytes:
         """The filter as ``header + table`` (header: magic, fp_bits, seed, slots, keys,
         xxh3_64 of the table)."""

@@ -4,6 +4,8 @@ The interface is deliberately narrow (after zarr's ``Store``):
 
 * ``get`` returns ``None`` **only** for "not found"; every other failure raises a
   :class:`~s3kv.errors.StorageError` subclass, so an outage never looks like a miss.
+  ``get(key, max_bytes=n)`` refuses an object longer than ``n`` *before* reading its body
+  (:class:`~s3kv.errors.ObjectTooLargeError`), so junk under a known key costs no memory.
 * ``put(..., if_absent=True)`` is a conditional create where
   :attr:`Capabilities.conditional_put` says the server supports it; elsewhere it is a plain
   PUT (harmless: objects are content-addressed, so an overwrite writes the same bytes).
@@ -23,6 +25,8 @@ from abc import ABC, abstractmethod
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
+from s3kv.errors import ObjectTooLargeError
+
 __all__ = [
     "DELETE_BATCH",
     "Backend",
@@ -31,6 +35,7 @@ __all__ = [
     "DelegatingBackend",
     "DeleteResult",
     "ObjectInfo",
+    "refuse_oversized",
 ]
 
 #: DeleteObjects accepts at most this many keys per request.
@@ -58,11 +63,15 @@ class ObjectInfo:
         key: Full object key.
         size: Size in bytes.
         last_modified: Seconds since the epoch.
+        etag: An opaque tag of the object's version (S3's ETag without quotes): two
+            answers with equal non-empty tags saw the same version. ``""`` where the
+            backend cannot tell. Not compared by ``==``.
     """
 
     key: str
     size: int
     last_modified: float
+    etag: str = field(default="", compare=False)
 
 
 @dataclass(frozen=True)
@@ -108,11 +117,18 @@ class Backend(ABC):
         """Where the data lives, for logs (never includes credentials)."""
 
     @abstractmethod
-    def get(self, key: str) -> bytes | None:
+    def get(self, key: str, *, max_bytes: int | None = None) -> bytes | None:
         """The object's bytes, or ``None`` if no object has that key.
 
+        Args:
+            key: Object key.
+            max_bytes: The longest object the caller accepts. A longer one is refused
+                before its body is read (S3: from the response's Content-Length; the
+                connection is closed rather than drained), so reading it costs no memory.
+
         Raises:
-            StorageError: any failure other than "not found".
+            ObjectTooLargeError: the object is longer than ``max_bytes``.
+            StorageError: any other failure, except "not found".
         """
 
     @abstractmethod
@@ -212,8 +228,8 @@ class DelegatingBackend(Backend):
     def description(self) -> str:
         return self.inner.description
 
-    def get(self, key: str) -> bytes | None:
-        return self.inner.get(key)
+    def get(self, key: str, *, max_bytes: int | None = None) -> bytes | None:
+        return self.inner.get(key, max_bytes=max_bytes)
 
     def put(self, key: str, data: bytes | memoryview, *, if_absent: bool = False) -> bool:
         return self.inner.put(key, data, if_absent=if_absent)
@@ -238,3 +254,17 @@ class DelegatingBackend(Backend):
 
     def close(self) -> None:
         self.inner.close()
+
+
+def refuse_oversized(where: str, size: int, max_bytes: int | None) -> None:
+    """Raise :class:`~s3kv.errors.ObjectTooLargeError` if ``size`` is over ``max_bytes``.
+
+    For backends implementing :meth:`Backend.get`; ``where`` names the object for the
+    message (``"get s3://bucket/key"``).
+    """
+    if max_bytes is not None and size > max_bytes:
+        raise ObjectTooLargeError(
+            f"{where}: the object is {size} bytes, more than the {max_bytes} its reader "
+            "allows; not read (a foreign or corrupt object: `s3kv verify` reports block "
+            "objects like it)"
+        )

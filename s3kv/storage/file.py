@@ -15,7 +15,7 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 from s3kv.errors import BucketNotFoundError, ConfigError, StorageError
-from s3kv.storage.base import Backend, Capabilities, DeleteResult, ObjectInfo
+from s3kv.storage.base import Backend, Capabilities, DeleteResult, ObjectInfo, refuse_oversized
 
 __all__ = ["FileBackend", "is_file_url"]
 
@@ -73,15 +73,21 @@ class FileBackend(Backend):
                 f"directory {self.root} does not exist: create it or fix TLLM_S3KV_ENDPOINT_URL"
             )
 
-    def get(self, key: str) -> bytes | None:
+    def get(self, key: str, *, max_bytes: int | None = None) -> bytes | None:
         try:
-            return self._path(key).read_bytes()
-        except FileNotFoundError:
-            return None
-        except IsADirectoryError:
+            with self._path(key).open("rb") as fh:
+                refuse_oversized(f"get {key!r}", os.fstat(fh.fileno()).st_size, max_bytes)
+                if max_bytes is None:
+                    return fh.read()
+                # NOTE: bounded even if the file grows after the fstat (a writer that does
+                # not publish with a rename).
+                data = fh.read(max_bytes + 1)
+        except (FileNotFoundError, IsADirectoryError):
             return None
         except OSError as exc:
             raise _translate(exc, "get", key) from exc
+        refuse_oversized(f"get {key!r}", len(data), max_bytes)
+        return data
 
     def put(self, key: str, data: bytes | memoryview, *, if_absent: bool = False) -> bool:
         path = self._path(key)
@@ -113,7 +119,7 @@ class FileBackend(Backend):
             return None
         except OSError as exc:
             raise _translate(exc, "head", key) from exc
-        return ObjectInfo(key, stat.st_size, stat.st_mtime)
+        return ObjectInfo(key, stat.st_size, stat.st_mtime, _version_tag(stat))
 
     def delete_many(self, keys: Iterable[str]) -> DeleteResult:
         result = DeleteResult()
@@ -142,7 +148,7 @@ class FileBackend(Backend):
                 if start_after is not None and key <= start_after:
                     continue
                 stat = os.stat(os.path.join(dirpath, name))
-                found.append(ObjectInfo(key, stat.st_size, stat.st_mtime))
+                found.append(ObjectInfo(key, stat.st_size, stat.st_mtime, _version_tag(stat)))
         yield from sorted(found, key=lambda info: info.key)
 
     def list_dirs(self, prefix: str) -> Iterator[str]:
@@ -161,6 +167,11 @@ class FileBackend(Backend):
         # NOTE: deleting objects leaves their directories behind; S3 has no empty
         # "directories", so only names with an object below them count.
         yield from (name for name in names if _holds_object(base / name))
+
+
+def _version_tag(stat: os.stat_result) -> str:
+    """An ETag stand-in: every PUT publishes a new file (rename or link), so a new inode."""
+    return f"{stat.st_ino:x}-{stat.st_size:x}-{stat.st_mtime_ns:x}"
 
 
 def _holds_object(directory: Path) -> bool:

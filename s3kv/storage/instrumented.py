@@ -6,7 +6,7 @@ import time
 from collections.abc import Callable, Iterable, Iterator
 from typing import TypeVar
 
-from s3kv.errors import StorageError
+from s3kv.errors import ObjectTooLargeError, StorageError
 from s3kv.metrics import Metrics
 from s3kv.storage.base import DELETE_BATCH, Backend, DelegatingBackend, DeleteResult, ObjectInfo
 from s3kv.storage.breaker import NEUTRAL_KINDS, BreakerState, CircuitBreaker
@@ -70,11 +70,17 @@ class InstrumentedBackend(DelegatingBackend):
 
     def _failed(self, op: str, exc: StorageError) -> None:
         self.metrics.inc("request_errors", op=op, kind=exc.kind)
-        if self.breaker is not None and exc.kind not in NEUTRAL_KINDS:
+        if self.breaker is None:
+            return
+        if isinstance(exc, ObjectTooLargeError):
+            self.breaker.record_success()  # NOTE: the server answered; the object is bad
+        elif exc.kind not in NEUTRAL_KINDS:
             self.breaker.record_failure()
 
-    def get(self, key: str) -> bytes | None:
-        data = self._call("get", lambda: self.inner.get(key))
+    def get(self, key: str, *, max_bytes: int | None = None) -> bytes | None:
+        # NOTE: an object refused for max_bytes counts as request_errors{op=get,
+        # kind=too_large}, and as a success for the breaker: the server answered.
+        data = self._call("get", lambda: self.inner.get(key, max_bytes=max_bytes))
         if data is not None:
             self.metrics.inc("bytes_received", len(data))
         return data
