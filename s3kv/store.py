@@ -10,7 +10,8 @@ Contracts (DESIGN.md invariants):
 * Nothing a bucket or an object can do raises out of :meth:`lookup`, :meth:`prefetch`,
   :meth:`save`, :meth:`flush` or :meth:`close`: failures become counted misses or dropped
   saves. :meth:`KVStore.open` is the exception: a missing bucket or rejected credentials
-  fail there, loudly, with one line.
+  fail there, loudly, with one line — unless ``degraded_start`` (the connector's way), which
+  opens a store that claims and saves nothing until the bucket answers (:mod:`s3kv.startup`).
 * Everything is bounded: staging bytes, queued prefetches, in-flight save bytes. When saves
   hit ``max_inflight_save_bytes``, ``save_policy="drop"`` (default) drops the new save and
   counts it — the engine's forward loop never waits on S3 — while ``"block"`` waits up to
@@ -41,24 +42,34 @@ import numpy as np
 from s3kv import codec
 from s3kv._logonce import LogOnce
 from s3kv._logsetup import apply_log_level
-from s3kv.auth import Keyring, load_keyring, seal, unseal
+from s3kv.auth import MAX_OVERHEAD, Keyring, load_keyring, seal, unseal
 from s3kv.config import S3KVConfig
-from s3kv.errors import CodecError, SizeMismatchError, StorageError
+from s3kv.errors import (
+    CodecError,
+    KeyDerivationError,
+    ObjectTooLargeError,
+    SizeMismatchError,
+    StorageError,
+)
 from s3kv.keys import BlockHash, ModelIdentity, block_object_key, identity_object_key
 from s3kv.manifest import CompactionPolicy, Manifest, UsageTable, load_usage
 from s3kv.metrics import Export, Metrics, exporter
 from s3kv.pool import IOPool, Priority
 from s3kv.quarantine import Quarantine
 from s3kv.staging import HostAllocator, HostBuffer, StagingCache
+from s3kv.startup import BucketAccess, PendingManifest, StoreOpening
 from s3kv.storage import (
     Backend,
     BreakerState,
     CircuitBreaker,
     InstrumentedBackend,
-    open_backend,
 )
 
 logger = logging.getLogger(__name__)
+
+#: First and largest step of :meth:`KVStore.count_maybe` (keys per filter query).
+_MAYBE_STEP = 256
+_MAYBE_MAX_STEP = 4096
 
 _CODECS = {
     "raw": codec.CodecId.RAW,
@@ -181,6 +192,13 @@ class KVStore:
         self.config = config
         self.block_nbytes = block_nbytes
         self.keyring = keyring
+        #: Longest object a GET reads: a block of this model (or the staging budget, when
+        #: the block size is unknown) encoded as badly as possible, plus the seal.
+        self._max_object_bytes = codec.max_object_len(
+            block_nbytes
+            if block_nbytes is not None
+            else min(config.staging_bytes, codec.MAX_RAW_LEN)
+        ) + (MAX_OVERHEAD if keyring is not None else 0)
         #: Keys whose object failed verification: misses without a GET for a while.
         self.quarantine: Quarantine[BlockHash] = Quarantine()
         self.staging = StagingCache(config.staging_bytes, allocator=allocator, metrics=self.metrics)
@@ -189,6 +207,7 @@ class KVStore:
         self._lock = threading.Lock()
         self._save_space = threading.Condition(self._lock)
         self._fetching: dict[BlockHash, threading.Event] = {}
+        self._backlog = 0  # keys handed to prefetch_many, not yet walked
         self._saving: set[BlockHash] = set()
         self._inflight_save_bytes = 0
         self._closed = False
@@ -203,6 +222,9 @@ class KVStore:
 
     # --- construction ---
 
+    #: A ``degraded_start`` store's opening while its bucket has not answered (:meth:`open`).
+    _opening: StoreOpening[ManifestLike] | None = None
+
     @classmethod
     def open(
         cls,
@@ -214,6 +236,7 @@ class KVStore:
         pool: IOPool | None = None,
         start_background: bool = True,
         manifest: ManifestSource | None = None,
+        degraded_start: bool = False,
     ) -> KVStore:
         """Connect, check the bucket, load the manifest and start background work.
 
@@ -225,9 +248,16 @@ class KVStore:
         fingerprint); with ``metrics_port`` set the process serves them on
         ``metrics_address``. ``log_level``, when set, is applied to the ``s3kv`` logger.
 
+        ``degraded_start`` (the connector's way, :mod:`s3kv.startup`): wait at most
+        ``startup_timeout`` for the bucket. If it does not answer in time, or fails (also a
+        missing bucket or denied credentials), return a *pending* store instead of raising:
+        not :attr:`ready`, so it claims nothing, drops saves and skips prefetches, while a
+        background thread retries the startup until it succeeds or the store is closed.
+
         Raises:
             ConfigError: no bucket configured for S3.
-            BucketNotFoundError, AccessDeniedError, EndpointError: one clear line each.
+            BucketNotFoundError, AccessDeniedError, EndpointError: one clear line each
+                (without ``degraded_start``).
         """
         apply_log_level(config.log_level)
         keyring = load_keyring(
@@ -235,23 +265,27 @@ class KVStore:
         )
         metrics = Metrics()
         breaker = CircuitBreaker(config.breaker_failures, config.breaker_cooldown)
-        if backend is None:
-            backend = open_backend(config)
-        instrumented = InstrumentedBackend(backend, metrics, breaker=breaker)
-        instrumented.check()
+        access = BucketAccess(config, backend)
+        instrumented = InstrumentedBackend(access.backend, metrics, breaker=breaker)
         fingerprint = identity.fingerprint()
-        identity_key = identity_object_key(config.key_prefix, fingerprint)
-        if instrumented.head(identity_key) is None:
-            import json
-
-            payload = json.dumps(identity.as_dict(), indent=2, sort_keys=True).encode()
-            instrumented.put(identity_key, payload, if_absent=True)
-        own: Manifest | None = None
+        finish = functools.partial(
+            _finish_open, access, instrumented, config, identity, manifest, start_background
+        )
+        pending: StoreOpening[ManifestLike] | None = None
         opened: ManifestLike
-        if manifest is None:
-            opened = own = open_manifest(instrumented, config, fingerprint)
+        if degraded_start:
+            opening = StoreOpening(
+                access.check,
+                finish,
+                bucket=instrumented.description,
+                retry_cap=config.breaker_cooldown,
+                discard=_discard_manifest,
+            )
+            waited = opening.wait(config.startup_timeout)
+            pending = opening if waited is None else None
+            opened = PendingManifest(opening) if waited is None else waited
         else:
-            opened = manifest.open(instrumented)
+            opened = finish()
         block_nbytes = (
             identity.num_layers
             * identity.kv_factor
@@ -260,32 +294,43 @@ class KVStore:
             if identity.kv_dtype in {d.value for d in codec.DType}
             else None
         )
-        store = cls(
-            backend=instrumented,
-            manifest=opened,
-            fingerprint=fingerprint,
-            config=config,
-            metrics=metrics,
-            allocator=allocator,
-            pool=pool,
-            block_nbytes=block_nbytes,
-            manifest_fingerprint=manifest.fingerprint if manifest is not None else None,
-            keyring=keyring,
-        )
-        if start_background and own is not None:
-            own.start(
-                refresh_interval=config.manifest_refresh_interval,
-                flush_interval=config.manifest_flush_interval,
-                flush_keys=config.manifest_flush_keys,
+        try:
+            store = cls(
+                backend=instrumented,
+                manifest=opened,
+                fingerprint=fingerprint,
+                config=config,
+                metrics=metrics,
+                allocator=allocator,
+                pool=pool,
+                block_nbytes=block_nbytes,
+                manifest_fingerprint=manifest.fingerprint if manifest is not None else None,
+                keyring=keyring,
             )
+        except BaseException:
+            opened.close(flush=False, timeout=0.0)  # NOTE: stops a pending opening too
+            raise
+        store._opening = pending
         store.export(shard=identity.tp_rank)
-        logger.info(
-            "s3kv: opened %s fingerprint %s (%d manifest requests)",
-            instrumented.description,
-            fingerprint,
-            instrumented.requests(),
-        )
+        if pending is None:
+            logger.info(
+                "s3kv: opened %s fingerprint %s (%d manifest requests)",
+                instrumented.description,
+                fingerprint,
+                instrumented.requests(),
+            )
         return store
+
+    @property
+    def ready(self) -> bool:
+        """False while a ``degraded_start`` store waits for its bucket (claim nothing)."""
+        opening = self._opening
+        return opening is None or opening.ready
+
+    def wait_ready(self, timeout: float | None = None) -> bool:
+        """Block until :attr:`ready`, :meth:`close` or ``timeout``; whether ready."""
+        opening = self._opening
+        return opening is None or opening.wait_ready(timeout)
 
     @property
     def healthy(self) -> bool:
@@ -293,8 +338,10 @@ class KVStore:
 
         Once the breaker's cooldown has passed (half-open), asking schedules one background
         probe (HEAD bucket); its success closes the circuit, so recovery does not wait for
-        some other request to happen by.
+        some other request to happen by. False too while the store is not :attr:`ready`.
         """
+        if not self.ready:
+            return False
         breaker = self.backend.breaker
         if breaker is None:
             return True
@@ -336,6 +383,8 @@ class KVStore:
             registry.serve(self.config.metrics_port, self.config.metrics_address)
 
     def _breaker_open(self) -> bool:
+        if not self.ready:  # NOTE: a pending store behaves as if its breaker were open
+            return True
         breaker = self.backend.breaker
         return breaker is not None and breaker.state is BreakerState.OPEN
 
@@ -348,8 +397,7 @@ class KVStore:
     def lookup(self, keys: Sequence[BlockHash]) -> LookupResult:
         """How many leading blocks are staged, and how many more may exist. No network."""
         staged = self.staging.count_leading(keys)
-        rest = keys[staged:]
-        maybe = self.manifest.count_leading(rest) if rest else 0
+        maybe = self.count_maybe(keys[staged:])
         self.metrics.inc("lookup_calls")
         self.metrics.inc("lookup_blocks_staged", staged)
         self.metrics.inc("lookup_blocks_maybe", maybe)
@@ -358,28 +406,47 @@ class KVStore:
     def claim(self, keys: Sequence[BlockHash]) -> int:
         """The scheduler's claim: pin the leading staged run of ``keys``; no network.
 
-        The pinned blocks are never evicted until :meth:`unpin`. Blocks behind them that the
-        manifest may hold are prefetched in the background, so a later request hits; the
-        pinned ones are recorded as hits (usage for prune and warm start).
+        The pinned blocks are never evicted until :meth:`unpin`. The blocks behind them are
+        handed to the I/O side in one step (:meth:`prefetch_many` with ``maybe_only``), which
+        prefetches those the manifest may hold so that a later request hits; the pinned ones
+        are recorded as hits (usage for prune and warm start). ``keys`` may be a lazy
+        :class:`~s3kv.keys.KeyChain` view: only the staged run (and one step) is hashed here.
 
         Returns:
             How many leading blocks were pinned.
         """
-        pinned = self.pin_leading(keys)
-        self.prefetch_maybe(keys[pinned:])
+        # NOTE: counted first, pinned second: lazy keys are hashed while counting, so a
+        # malformed block raises before any pin is taken, never half-way through pinning.
+        staged = self.staging.count_leading(keys)
+        pinned = self.pin_leading(keys[:staged])
+        self.prefetch_many(keys[pinned:], maybe_only=True)
         self.record_hits(keys[:pinned])
         return pinned
 
     def prefetch_maybe(self, keys: Sequence[BlockHash]) -> int:
-        """Prefetch the leading run of ``keys`` the manifest may hold; returns its length."""
-        maybe = self.count_maybe(keys) if keys else 0
+        """Prefetch the leading run of ``keys`` the manifest may hold; returns its length.
+
+        Counts and queues on the caller's thread; :meth:`prefetch_many` does it off it.
+        """
+        maybe = self.count_maybe(keys)
         if maybe:
             self.prefetch(keys[:maybe])
         return maybe
 
     def count_maybe(self, keys: Sequence[BlockHash]) -> int:
-        """Leading blocks of ``keys`` the manifest may hold (its Bloom filter; no network)."""
-        return self.manifest.count_leading(keys)
+        """Leading blocks of ``keys`` the manifest may hold (its Bloom filter; no network).
+
+        Asks in growing steps, so lazy keys are hashed only about as far as the run goes.
+        """
+        done, step, total = 0, _MAYBE_STEP, len(keys)
+        while done < total:
+            chunk = keys[done : done + step]
+            found = self.manifest.count_leading(chunk)
+            done += found
+            if found < len(chunk):
+                break
+            step = min(2 * step, _MAYBE_MAX_STEP)
+        return done
 
     def usage(self, top: int | None = None) -> UsageTable:
         """This fingerprint's usage (hits, writes, pins) folded from the bucket.
@@ -443,6 +510,56 @@ class KVStore:
             scheduled += 1
         return scheduled
 
+    def prefetch_many(self, keys: Sequence[BlockHash], *, maybe_only: bool = False) -> int:
+        """Hand ``keys`` to the I/O side in one step; returns how many were accepted.
+
+        Constant work here whatever ``len(keys)``: one task is queued at prefetch priority
+        and walks the keys on an I/O thread. With ``maybe_only`` it first cuts them to the
+        leading run the manifest may hold (:meth:`count_maybe`); then it does what
+        :meth:`prefetch` does (skip staged and in-flight keys, drop past
+        ``max_prefetch_queue`` outstanding fetches, one GET task per key, in order). ``keys``
+        may be lazy (a :class:`~s3kv.keys.KeyChain` view): it is hashed there.
+
+        Bounded: keys accepted but not yet walked count against ``max_prefetch_queue`` too;
+        past it the rest of ``keys`` is dropped and counted in ``prefetch_dropped``. While the
+        store is unhealthy nothing is queued (``prefetch_skipped_unhealthy`` counts every
+        key: they are not filtered then). Nothing becomes claimable before it is staged and
+        verified, as with :meth:`prefetch`.
+        """
+        total = len(keys)
+        if not total:
+            return 0
+        if self._breaker_open():
+            self.metrics.inc("prefetch_skipped_unhealthy", total)
+            return 0
+        with self._lock:
+            if self._closed:
+                return 0
+            accepted = min(total, max(0, self.config.max_prefetch_queue - self._backlog))
+            self._backlog += accepted
+        if accepted < total:
+            self.metrics.inc("prefetch_dropped", total - accepted)
+        if not accepted:
+            return 0
+        walk = functools.partial(self._walk, keys[:accepted], accepted, maybe_only)
+        if not self._pool.submit(Priority.PREFETCH, walk):
+            with self._lock:
+                self._backlog -= accepted
+            return 0
+        return accepted
+
+    def _walk(self, keys: Sequence[BlockHash], accepted: int, maybe_only: bool) -> None:
+        """The I/O side of :meth:`prefetch_many`."""
+        with self._lock:
+            self._backlog -= accepted
+        try:
+            if maybe_only:
+                keys = keys[: self.count_maybe(keys)]
+            if keys:
+                self.prefetch(keys)
+        except KeyDerivationError as exc:  # lazy keys over malformed tokens: no key, no GET
+            self._log_once("key_derivation", "s3kv: prefetch stopped: %s", exc)
+
     def wait_staged(self, keys: Sequence[BlockHash], timeout: float | None = None) -> int:
         """Wait for outstanding fetches of ``keys``; returns the leading staged count."""
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -461,7 +578,7 @@ class KVStore:
             if key in self.quarantine:
                 self.metrics.inc("prefetch_quarantined")
                 return
-            stored = self.backend.get(object_key)
+            stored = self.backend.get(object_key, max_bytes=self._max_object_bytes)
             if stored is None:
                 self.metrics.inc("prefetch_not_found")
                 return
@@ -487,7 +604,9 @@ class KVStore:
             self.metrics.inc("prefetch_staged")
             self.metrics.inc("stage_raw_bytes", header.raw_len)
             self.metrics.inc("stage_stored_bytes", len(stored))
-        except CodecError as exc:
+        except (CodecError, ObjectTooLargeError) as exc:
+            # NOTE: an object longer than any block of this model is junk: never read, a miss
+            # like a corrupt one (the GET stopped at its Content-Length).
             self.quarantine.add(key)
             self.metrics.inc("corrupt_objects", kind=exc.kind)
             self.metrics.inc("prefetch_failed")
@@ -692,6 +811,46 @@ __all__ = [
     "SaveStatus",
     "open_manifest",
 ]
+
+
+def _finish_open(
+    access: BucketAccess,
+    backend: InstrumentedBackend,
+    config: S3KVConfig,
+    identity: ModelIdentity,
+    source: ManifestSource | None,
+    start_background: bool,
+) -> ManifestLike:
+    """:meth:`KVStore.open`'s steps once the bucket answers: probe, check, identity object,
+    manifest (this fingerprint's own, started if ``start_background``, or ``source``'s).
+
+    Raises:
+        StorageError: the bucket failed.
+    """
+    import json
+
+    access.connect(backend)
+    backend.check()
+    identity_key = identity_object_key(config.key_prefix, identity.fingerprint())
+    if backend.head(identity_key) is None:
+        payload = json.dumps(identity.as_dict(), indent=2, sort_keys=True).encode()
+        backend.put(identity_key, payload, if_absent=True)
+    access.close()
+    if source is not None:
+        return source.open(backend)
+    own = open_manifest(backend, config, identity.fingerprint())
+    if start_background:
+        own.start(
+            refresh_interval=config.manifest_refresh_interval,
+            flush_interval=config.manifest_flush_interval,
+            flush_keys=config.manifest_flush_keys,
+        )
+    return own
+
+
+def _discard_manifest(manifest: ManifestLike) -> None:
+    """A manifest that opened after its store was closed."""
+    manifest.close(flush=False, timeout=0.0)
 
 
 def open_manifest(backend: Backend, config: S3KVConfig, fingerprint: str) -> Manifest:
