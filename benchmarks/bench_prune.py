@@ -45,6 +45,7 @@ from s3kv.keys import ROOT_HASH
 from s3kv.manifest import compact, load_usage
 from s3kv.manifest.format import KIND_PIN, KIND_WRITE, RECORD_DTYPE, encode_records, segment_name
 from s3kv.ops import prune
+from s3kv.ops import scope as ops_scope
 from s3kv.ops.scope import Fingerprint, blocks_prefix
 from s3kv.storage import Backend, DelegatingBackend, MemoryBackend, ObjectInfo
 
@@ -192,12 +193,14 @@ def main() -> int:
              kept=result.kept.objects, peak_mb=round(plan_peak / 2**20, 1), **tags)  # fmt: skip
         del result, fp_plan
         # The planner alone: the usage rows loaded beforehand (not counted: add 61 bytes/key).
-        loader = module.load_usage
-        module.load_usage = lambda *_: usage
+        # NOTE: prune reads usage through s3kv.ops.scope (older copies: their own import).
+        owner = module if hasattr(module, "load_usage") else ops_scope
+        loader = owner.load_usage
+        owner.load_usage = lambda *_, **__: usage
         try:
             own_peak, result = peak(lambda now=now: plan(now))
         finally:
-            module.load_usage = loader
+            owner.load_usage = loader
         emit(f"prune.planner_peak_bytes_per_key_{label}{suffix}", own_peak / n_keys,
              "bytes/key", keys=n_keys, note="beyond the usage rows (61 bytes/key)",
              peak_mb=round(own_peak / 2**20, 1), **tags)  # fmt: skip

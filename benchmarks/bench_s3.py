@@ -15,6 +15,9 @@ same real SmolLM2 bf16 KV blocks (64 tokens, 1.47 MB each):
   ``lookup.us_32k_tokens`` from bench_manifest.py.
 
 MB/s are raw (uncompressed) bytes per second. Client and server share this machine's cores.
+Every row says ``"link": "loopback"``: no bandwidth limit and no RTT, so these ratios show
+CPU, not what compression buys on a network; bench_wan.py measures the same comparisons
+behind a shaped link.
 """
 
 from __future__ import annotations
@@ -46,7 +49,8 @@ TOKENS_PER_BLOCK = 64
 
 
 def emit(metric: str, value: float, unit: str, **extra: Any) -> None:
-    print(json.dumps({"metric": metric, "value": round(value, 3), "unit": unit, **extra}))
+    row = {"metric": metric, "value": round(value, 3), "unit": unit, **extra, "link": "loopback"}
+    print(json.dumps(row))
     sys.stdout.flush()
 
 

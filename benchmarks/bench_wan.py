@@ -1,0 +1,276 @@
+"""Save and stage over a link shaped like a real network (bandwidth + RTT), side by side.
+
+SeaweedFS runs in a private network namespace behind a veth shaped with ``tc tbf`` and a
+userspace delay line (``netshape.py`` says how and why). Needs root; otherwise prints one
+``wan.skipped`` line and exits 0. For each link, (1 Gbit/s, 20 ms) and (10 Gbit/s, 10 ms),
+in this one process, against the same server and the same real SmolLM2 bf16 KV blocks
+(64 tokens, 1.47 MB each, cycled under distinct keys):
+
+* ``wan.rtt_measured_ms`` / ``wan.link_measured_Gbps``: a 1-byte ping and a raw bulk
+  transfer (4 streams, each direction) through the same relay and veth.
+* ``wan.save_MBps``: KVStore.save (encode + PUT on the I/O pool, ``--threads`` threads) of
+  all blocks, until the last block's PUT returned (the manifest segment that ``flush`` then
+  writes is not timed: production writes it on a timer). ``wan.uncompressed_put_MBps``:
+  the same blocks PUT raw with the same thread count. ``wan.seed_save_MBps``:
+  TensorRT-LLM's example connector's way, serially ``torch.save`` each block and PUT it.
+* ``wan.stage_MBps``: KVStore.prefetch + wait_staged (GET + verify + decode into staging).
+  ``wan.uncompressed_get_MBps`` / ``wan.seed_load_MBps``: parallel raw GET / serial GET +
+  ``torch.load``.
+* ``wan.save_over_uncompressed`` (target 1.3), ``wan.stage_over_uncompressed`` (1.3),
+  ``wan.save_over_seed`` (4), ``wan.stage_over_seed`` (4): ratios of the above.
+
+MB/s are raw (uncompressed) bytes per second, best of the rounds. Every row carries the
+link (``link_Gbps``, ``rtt_ms``); throughput rows add ``wire_Gbps`` (bytes on the veth,
+headers included), ``link_util`` (wire / link rate) and ``cpu_busy`` (share of all cores
+busy machine-wide, other processes included). A ratio's ``cpu_bound`` is true when either
+side ran with the machine's cores at least 90 % busy: then the link was not what limited it
+(client, relay and server share this machine's cores, and other work on the machine counts);
+its ``link_util`` gives both sides' share of the link, ours first.
+
+Usage: ``sudo python benchmarks/bench_wan.py [--quick] [--threads N] [--clean]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import os
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy.typing as npt
+from bench_s3 import get_raw, identity, parallel, put_raw, seed_load, seed_save
+from netshape import LinkSpec, NetShapeError, ShapedS3, cpu_times, remove_stale, sigterm_as_exit
+
+from s3kv.storage import Backend, DelegatingBackend, open_backend
+
+LINKS = (LinkSpec(1.0, 20.0), LinkSpec(10.0, 10.0))
+#: Blocks per pass, by link (47 / 94 MB raw: 0.4 s / 0.08 s at the link's rate).
+BLOCKS = {1.0: 32, 10.0: 64}
+CPU_BOUND = 0.9
+TOKENS_PER_BLOCK = 64
+
+
+def emit(metric: str, value: float, unit: str, **extra: Any) -> None:
+    print(json.dumps({"metric": metric, "value": round(value, 3), "unit": unit, **extra}))
+    sys.stdout.flush()
+
+
+@dataclass(frozen=True)
+class Phase:
+    """One timed transfer: wall seconds, bytes on the wire, machine and per-process CPU."""
+
+    seconds: float
+    raw_bytes: int
+    wire_bytes: int
+    cpu_busy: float
+    cpu_s: dict[str, float]
+
+    @property
+    def mbps(self) -> float:
+        return self.raw_bytes / self.seconds / 1e6
+
+    def fields(self, link: LinkSpec) -> dict[str, Any]:
+        wire_gbps = self.wire_bytes * 8 / self.seconds / 1e9
+        return {
+            "wire_Gbps": round(wire_gbps, 3),
+            "link_util": round(wire_gbps / link.gbit, 3),
+            "cpu_busy": round(self.cpu_busy, 3),
+            **{f"{k}_cores": round(v / self.seconds, 2) for k, v in self.cpu_s.items()},
+        }
+
+
+def measure(net: ShapedS3, raw_bytes: int, upload: bool, fn: Callable[[], object]) -> Phase:
+    busy0, total0 = cpu_times()
+    tx0, rx0 = net.wire_bytes()
+    procs0, cpu0 = net.process_cpu(), time.process_time()
+    started = time.perf_counter()
+    fn()
+    seconds = time.perf_counter() - started
+    cpu = {"client": time.process_time() - cpu0}
+    cpu.update({k: v - procs0.get(k, 0.0) for k, v in net.process_cpu().items()})
+    tx1, rx1 = net.wire_bytes()
+    busy1, total1 = cpu_times()
+    return Phase(
+        seconds=seconds,
+        raw_bytes=raw_bytes,
+        wire_bytes=(tx1 - tx0) if upload else (rx1 - rx0),
+        cpu_busy=(busy1 - busy0) / max(total1 - total0, 1.0),
+        cpu_s=cpu,
+    )
+
+
+class BlockPuts(DelegatingBackend):
+    """Sets :attr:`done` once every expected block key's PUT has returned.
+
+    NOTE: the save phase ends when the last block is stored, not after ``KVStore.flush``,
+    whose manifest segment PUT production makes on a timer, off the save path; in a pass of
+    32 blocks that one extra request would be about a tenth of the time at 1 Gbit/s.
+    """
+
+    def __init__(self, inner: Backend) -> None:
+        super().__init__(inner)
+        self._lock = threading.Lock()
+        self._waiting: set[str] = set()
+        self.done = threading.Event()
+
+    def expect(self, keys: Iterable[str]) -> None:
+        with self._lock:
+            self._waiting = set(keys)
+            self.done.clear()
+
+    def put(self, key: str, data: bytes | memoryview, *, if_absent: bool = False) -> bool:
+        stored = self.inner.put(key, data, if_absent=if_absent)
+        with self._lock:
+            if key in self._waiting:
+                self._waiting.discard(key)
+                if not self._waiting:
+                    self.done.set()
+        return stored
+
+
+def run_link(
+    link: LinkSpec,
+    base: list[npt.NDArray[Any]],
+    *,
+    rounds: int,
+    seed_rounds: int,
+    threads: int,
+    tag: int,
+) -> None:
+    from s3kv.config import S3KVConfig
+    from s3kv.keys import ROOT_HASH, BlockHash, hash_block
+    from s3kv.staging import NumpyAllocator
+    from s3kv.store import KVStore
+
+    blocks = [base[i % len(base)] for i in range(BLOCKS.get(link.gbit, 48))]
+    raw_bytes = sum(b.nbytes for b in blocks)
+    where = {"link_Gbps": link.gbit, "rtt_ms": link.rtt_ms}
+    with ShapedS3(link) as net:
+        os.environ.update(net.env())
+        rtt = net.measure_rtt()
+        emit("wan.rtt_measured_ms", rtt, "ms", **where)
+        bulk = int(min(link.bytes_per_s * 0.5, 256e6))
+        for direction in ("down", "up"):
+            gbps = net.measure_bulk(direction, bulk)
+            emit("wan.link_measured_Gbps", gbps, "Gbit/s", direction=direction, streams=4,
+                 MB=round(bulk / 1e6), **where)  # fmt: skip
+        cfg = S3KVConfig.load(
+            io_threads=threads, staging_bytes=2 * raw_bytes, max_inflight_save_bytes=2 * raw_bytes
+        )
+        backend = open_backend(cfg)
+        puts = BlockPuts(backend)
+        best: dict[str, Phase] = {}
+
+        def keep(name: str, phase: Phase) -> None:
+            if name not in best or phase.mbps > best[name].mbps:
+                best[name] = phase
+
+        for r in range(rounds):
+            label = f"wan{tag}-r{r}"
+            keys = [hash_block(ROOT_HASH, [tag, r, i]) for i in range(len(blocks))]
+            store = KVStore.open(cfg, identity(label), backend=puts, allocator=NumpyAllocator())
+
+            def save_all(store: KVStore = store, keys: list[BlockHash] = keys) -> None:
+                puts.expect(store.object_key(k) for k in keys)
+                for key, block in zip(keys, blocks, strict=True):
+                    store.save(key, ROOT_HASH, block, dtype="bfloat16", shape=block.shape)
+                if not puts.done.wait(300):
+                    raise SystemExit("block PUTs did not finish in 300 s")
+
+            keep("save", measure(net, raw_bytes, True, save_all))
+            store.flush(timeout=300)
+            completed = store.metrics.value("save_completed")
+            if completed != len(blocks):
+                raise SystemExit(f"only {completed:.0f} of {len(blocks)} saves completed")
+            store.close()
+            reader = KVStore.open(cfg, identity(label), backend=puts, allocator=NumpyAllocator())
+
+            def stage_all(reader: KVStore = reader, keys: list[BlockHash] = keys) -> None:
+                reader.prefetch(keys)
+                if reader.wait_staged(keys, timeout=300) != len(keys):
+                    raise SystemExit("not every block staged")
+
+            keep("stage", measure(net, raw_bytes, False, stage_all))
+            for key, block in zip(keys, blocks, strict=True):
+                staged = reader.staged(key)
+                if staged is None or staged.tobytes() != block.tobytes():
+                    raise SystemExit("a staged block differs from the saved one")
+            reader.close()
+
+            raw_keys = [f"raw/{label}/{i}" for i in range(len(blocks))]
+            seed_keys = [f"seed/{label}/{i}" for i in range(len(blocks))]
+            n = len(blocks)
+            put_one = functools.partial(put_raw, backend, raw_keys, blocks)
+            get_one = functools.partial(get_raw, backend, raw_keys)
+            others: list[tuple[str, bool, Callable[[], object]]] = [
+                ("put", True, functools.partial(parallel, threads, put_one, n)),
+                ("get", False, functools.partial(parallel, threads, get_one, n)),
+            ]
+            if r < seed_rounds:  # NOTE: serial and latency-bound: one pass is steady enough.
+                others += [
+                    ("seed_save", True, functools.partial(seed_save, backend, seed_keys, blocks)),
+                    ("seed_load", False, functools.partial(seed_load, backend, seed_keys)),
+                ]
+            for name, upload, run in others:
+                keep(name, measure(net, raw_bytes, upload, run))
+        backend.close()
+
+    common = {**where, "rtt_measured_ms": round(rtt, 2), "rounds": rounds, "threads": threads,
+              "blocks": len(blocks), "block_MB": round(blocks[0].nbytes / 1e6, 3)}  # fmt: skip
+    names = {"save": "wan.save_MBps", "put": "wan.uncompressed_put_MBps",
+             "seed_save": "wan.seed_save_MBps", "stage": "wan.stage_MBps",
+             "get": "wan.uncompressed_get_MBps", "seed_load": "wan.seed_load_MBps"}  # fmt: skip
+    for name, metric in names.items():
+        emit(metric, best[name].mbps, "MB/s", **best[name].fields(link), **common)
+    for metric, ours, theirs, target in (
+        ("wan.save_over_uncompressed", "save", "put", 1.3),
+        ("wan.stage_over_uncompressed", "stage", "get", 1.3),
+        ("wan.save_over_seed", "save", "seed_save", 4.0),
+        ("wan.stage_over_seed", "stage", "seed_load", 4.0),
+    ):
+        ratio = best[ours].mbps / best[theirs].mbps
+        cpu_bound = max(best[ours].cpu_busy, best[theirs].cpu_busy) >= CPU_BOUND
+        utils = [best[x].fields(link)["link_util"] for x in (ours, theirs)]
+        emit(metric, ratio, "x", target=target, met=ratio >= target, cpu_bound=cpu_bound,
+             link_util=utils, **where, rtt_measured_ms=round(rtt, 2))  # fmt: skip
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
+    parser.add_argument("--quick", action="store_true", help="2 rounds, seed way once")
+    parser.add_argument("--threads", type=int, default=16, help="I/O threads (both paths)")
+    parser.add_argument(
+        "--clean", action="store_true", help="only remove what killed runs left behind"
+    )
+    args = parser.parse_args()
+    if os.geteuid() != 0:
+        print(json.dumps({"metric": "wan.skipped", "reason": "needs root for network namespaces"}))
+        return 0
+    if args.clean:
+        for name in remove_stale():
+            print(f"removed {name}")
+        return 0
+    sigterm_as_exit()
+    from s3kv.testing.smollm2 import kv_blocks
+
+    base = kv_blocks(tokens_per_block=TOKENS_PER_BLOCK)
+    rounds, seed_rounds = (2, 1) if args.quick else (4, 2)
+    for tag, link in enumerate(LINKS):
+        try:
+            run_link(link, base, rounds=rounds, seed_rounds=seed_rounds, threads=args.threads,
+                     tag=tag)  # fmt: skip
+        except NetShapeError as exc:
+            print(json.dumps({"metric": "wan.skipped", "reason": str(exc),
+                              "link_Gbps": link.gbit, "rtt_ms": link.rtt_ms}))  # fmt: skip
+            return 0
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
