@@ -28,8 +28,11 @@ from s3kv.auth import (
 )
 from s3kv.errors import AuthenticationError, CodecError, ConfigError
 from s3kv.keys import chain_hashes
-from s3kv.storage import MemoryBackend
-from tests.test_store import SHAPE, blocks, open_store, save_chain
+from s3kv.pool import IOPool
+from s3kv.staging import NumpyAllocator
+from s3kv.storage import Backend, MemoryBackend
+from s3kv.store import KVStore
+from tests.test_store import SHAPE, blocks, config, identity, open_store, save_chain
 
 KEY_A = "s3kv/fp/blocks/aa/aaaa"
 KEY_B = "s3kv/fp/blocks/bb/bbbb"
@@ -245,7 +248,7 @@ def test_store_seals_saves_and_loads_them(key_file: Path) -> None:
     assert blind.wait_staged(chain, timeout=10) == 0
 
 
-def forge(backend: MemoryBackend, object_key: str, seed: int) -> bytes:
+def forge(backend: Backend, object_key: str, seed: int) -> bytes:
     """Plant a well-formed, unsealed block of other bytes under a victim's key."""
     fake = blocks(1, seed=seed)[0]
     blob = codec.encode(fake, key=object_key, dtype="bfloat16", shape=SHAPE)
@@ -325,3 +328,42 @@ def test_keys_new_prints_a_line_auth_keys_accepts(tmp_path: Path) -> None:
     assert ring.key_ids == ("2026-11",)
     assert invoke(["keys", "new", "2026-11"]).stdout != result.stdout  # a fresh secret
     assert_one_error_line(invoke(["keys", "new", "bad id"]), "key id", code=2)
+
+
+def test_verify_delete_corrupt_never_deletes_sealed_blocks_and_removes_planted_ones(
+    tmp_path: Path, key_file: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from cli_support import invoke, parse_json
+
+    from s3kv.storage import FileBackend
+
+    root = tmp_path / "bucket"
+    root.mkdir()
+    backend = FileBackend(root)
+    chain = chain_hashes(list(range(16)), 4)
+    writer = KVStore.open(
+        config(endpoint_url=f"file://{root}", auth_keys=f"file:{key_file}"),
+        identity(),
+        backend=backend,
+        allocator=NumpyAllocator(),
+        pool=IOPool(0),
+        start_background=False,
+    )
+    save_chain(writer, chain, blocks(len(chain)))
+    writer.close()
+    planted = forge(backend, writer.object_key(chain[3]), seed=5)  # type: ignore[arg-type]
+    assert planted
+    args = ["verify", "--all", "--delete-corrupt", "--yes", "--json"]
+    args += ["--endpoint-url", f"file://{root}"]
+    # Without the keys: sealed blocks cannot be checked, so nothing sealed is deleted.
+    blind = parse_json(invoke(args))
+    assert blind["deleted"] == 0
+    assert blind["unsupported"] == len(chain) - 1
+    # With the keys: the sealed blocks verify, and the planted unsealed one is deleted.
+    monkeypatch.setenv("TLLM_S3KV_AUTH_KEYS", f"file:{key_file}")
+    result = invoke(args)
+    keyed = parse_json(result)
+    assert keyed["ok"] == len(chain) - 1, result.output
+    assert keyed["deleted"] == 1
+    assert backend.get(writer.object_key(chain[3])) is None
+    assert backend.get(writer.object_key(chain[0])) is not None

@@ -9,6 +9,7 @@ from typing import Annotated, Any
 import typer
 from rich.console import Console
 
+from s3kv.auth import load_keyring
 from s3kv.cli.common import Common, Session, bucket_command
 from s3kv.cli.context import CommandError
 from s3kv.cli.output import ago, human_bytes, table
@@ -468,6 +469,11 @@ def verify(
     """
     rt = common.rt
     with common.session(write=delete_corrupt and not dry_run) as s:
+        # NOTE: with auth_keys set, sealed blocks are opened and checked; without, they are
+        # reported as sealed and never deleted.
+        keyring = load_keyring(
+            s.cfg.auth_keys, accept_unsigned=s.cfg.auth_accept_unsigned, region=s.cfg.region
+        )
         with s.out.progress() as progress:
             report = verify_objects(
                 s.backend,
@@ -479,12 +485,20 @@ def verify(
                 threads=s.cfg.io_threads,
                 clock=rt.clock,
                 progress=progress,
+                keyring=keyring,
             )
         doomed = deletable(report.findings, s.prefix)
         if delete_corrupt and doomed and not dry_run:
             _confirm_verify(s, report, doomed, yes=yes, above=confirm_above, share=confirm_share)
             report = delete_findings(
-                s.backend, report, s.scope, prefix=s.prefix, fpr=s.cfg.bloom_fpr, clock=rt.clock
+                s.backend,
+                report,
+                s.scope,
+                prefix=s.prefix,
+                fpr=s.cfg.bloom_fpr,
+                clock=rt.clock,
+                threads=s.cfg.io_threads,
+                keyring=keyring,
             )
             doomed = deletable(report.findings, s.prefix)  # NOTE: now with .deleted set
     document = {
@@ -497,6 +511,7 @@ def verify(
         "corrupt": report.count("corrupt"),
         "foreign": report.count("foreign"),
         "unsupported": report.count("unsupported"),
+        "transient": report.count("transient"),
         "deletable": len(doomed),
         "deleted": sum(1 for f in report.findings if f.deleted),
         "remaining": report.remaining,
@@ -571,7 +586,8 @@ def _render_verify(
     con.print(
         f"checked {report.checked} of {report.listed} objects: {report.ok} ok, "
         f"{report.count('corrupt')} corrupt, {report.count('foreign')} foreign, "
-        f"{report.count('unsupported')} of another format version, "
+        f"{report.count('unsupported')} of another format version or sealed, "
+        f"{report.count('transient')} failed one read but not the second (kept), "
         f"{report.gone} deleted meanwhile"
     )
     if report.findings:
