@@ -47,6 +47,7 @@ CodecName = Literal["planes-zstd", "zstd", "raw"]
 SavePolicy = Literal["drop", "block"]
 AddressingStyle = Literal["auto", "path", "virtual"]
 ConditionalPut = Literal["auto", "on", "off"]
+S3ClientName = Literal["auto", "boto3", "crt"]
 
 _SIZE_UNITS = {
     "": 1,
@@ -376,6 +377,12 @@ class S3KVConfig:
         "auto",
         "Use If-None-Match on block PUTs: auto (probe once), on, off.",
         choices=("auto", "on", "off"),
+    )
+    s3_client: S3ClientName = _plain(
+        "auto",
+        "Client for object GET/PUT: auto (awscrt when installed, else boto3), boto3, or crt "
+        "(needs the crt extra); listing, HEAD and deletes always use boto3.",
+        choices=("auto", "boto3", "crt"),
     )
     # --- engine ---
     io_threads: int = _plain(

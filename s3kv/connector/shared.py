@@ -6,7 +6,8 @@ memory, and s3kv uses that: the worker publishes what it learned at ``register_k
 (every rank's shard identity, via one all-gather) and the scheduler opens one store per shard
 to stage every rank's bytes. Stores are opened once per process and fingerprint, and closed
 (saves drained with the configured deadline) at interpreter exit, because the connector API
-has no shutdown hook.
+has no shutdown hook. They open degraded when the bucket does not answer at startup
+(``KVStore.open(degraded_start=True)``, :mod:`s3kv.startup`): unhealthy until it does.
 
 Under tensor parallelism the shards of a layout share one manifest, under the layout's
 fingerprint (:meth:`ProcessState.open_layout`, :mod:`s3kv.manifest.shards`): it advertises a
@@ -107,8 +108,44 @@ def _rank_metrics(config: S3KVConfig, rank: int) -> S3KVConfig:
     return config.replace(metrics_port=port)
 
 
-def _view_of(presence: ShardedPresence, shard: int, backend: Backend) -> ShardView:
-    return presence.view(shard)
+class _LayoutManifest:
+    """A TP layout's one manifest, opened (and started) by the first of its shard stores
+    whose bucket answers: at startup rank 0's, or any of them once a pending bucket answers
+    (:mod:`s3kv.startup`). Until then the relay's reports have nowhere to go and are dropped
+    (nothing is saved meanwhile: a pending store is unhealthy). Thread-safe.
+    """
+
+    def __init__(
+        self, config: S3KVConfig, layout: str, identities: Sequence[ModelIdentity]
+    ) -> None:
+        self._config = config
+        self._layout = layout
+        self._identities = list(identities)
+        self._lock = threading.Lock()
+        self._presence: ShardedPresence | None = None
+
+    def view(self, shard: int, backend: Backend) -> ShardView:
+        """Shard ``shard``'s view, opening the manifest through ``backend`` if first."""
+        with self._lock:
+            presence = self._presence
+            if presence is None:
+                config = self._config
+                _describe_layout(backend, config.key_prefix, self._layout, self._identities)
+                manifest = open_manifest(backend, config, self._layout)
+                presence = ShardedPresence(manifest, len(self._identities))
+                presence.start(
+                    refresh_interval=config.manifest_refresh_interval,
+                    flush_interval=config.manifest_flush_interval,
+                    flush_keys=config.manifest_flush_keys,
+                )
+                self._presence = presence
+            return presence.view(shard)
+
+    def record_write(self, shard: int, key: BlockHash, parent: BlockHash, size: int) -> None:
+        """A relayed write of shard ``shard`` (the relay pump's sink)."""
+        presence = self._presence
+        if presence is not None:
+            presence.record_write(shard, key, parent, size)
 
 
 @dataclass
@@ -133,7 +170,7 @@ class ProcessState:
         with self.lock:
             store = self.stores.get(fingerprint)
             if store is None:
-                store = KVStore.open(config, identity, allocator=allocator)
+                store = KVStore.open(config, identity, allocator=allocator, degraded_start=True)
                 self.stores[fingerprint] = store
             return store
 
@@ -154,7 +191,10 @@ class ProcessState:
                 # cannot name the layout before the all-gather, so the store keeps its own.
                 source = ManifestSource(fingerprint, lambda _: new)
                 store = KVStore.open(
-                    _rank_metrics(config, identity.tp_rank), identity, manifest=source
+                    _rank_metrics(config, identity.tp_rank),
+                    identity,
+                    manifest=source,
+                    degraded_start=True,
                 )
                 self.stores[fingerprint], self.relayed[fingerprint] = store, new
                 relayed = new
@@ -192,38 +232,23 @@ class ProcessState:
         layout: str,
     ) -> OpenLayout:
         """Caller holds ``self.lock``."""
-        shared: list[ShardedPresence] = []
-
-        def open_shared(backend: Backend) -> ShardView:
-            _describe_layout(backend, config.key_prefix, layout, identities)
-            presence = ShardedPresence(open_manifest(backend, config, layout), len(identities))
-            shared.append(presence)
-            return presence.view(0)
-
+        shared = _LayoutManifest(config, layout, identities)
         relay = WriteRelay.create(len(identities))
         stores: list[KVStore] = []
         try:
             for identity, allocator in zip(identities, allocators, strict=True):
-                # NOTE: rank 0 comes first: its store opens the manifest, the others view it.
-                opener = (
-                    functools.partial(_view_of, shared[0], identity.tp_rank)
-                    if shared
-                    else open_shared
+                source = ManifestSource(layout, functools.partial(shared.view, identity.tp_rank))
+                stores.append(
+                    KVStore.open(
+                        config, identity, allocator=allocator, manifest=source, degraded_start=True
+                    )
                 )
-                source = ManifestSource(layout, opener)
-                stores.append(KVStore.open(config, identity, allocator=allocator, manifest=source))
         except BaseException:
             for store in stores:
                 store.close()
             relay.close()
             raise
-        presence = shared[0]
-        presence.start(
-            refresh_interval=config.manifest_refresh_interval,
-            flush_interval=config.manifest_flush_interval,
-            flush_keys=config.manifest_flush_keys,
-        )
-        pump = RelayPump(relay, presence.record_write, min(0.25, config.manifest_flush_interval))
+        pump = RelayPump(relay, shared.record_write, min(0.25, config.manifest_flush_interval))
         pump.start()
         self.pumps.append((pump, config.close_timeout))
         for identity, store in zip(identities, stores, strict=True):
@@ -291,8 +316,17 @@ class ShardStores:
 
     @property
     def healthy(self) -> bool:
-        """All shard stores' circuit breakers are closed."""
+        """All shard stores are open and their circuit breakers closed."""
         return all(store.healthy for store in self.stores)
+
+    @property
+    def ready(self) -> bool:
+        """Every shard store is open (its bucket answered; :mod:`s3kv.startup`)."""
+        return all(store.ready for store in self.stores)
+
+    def wait_ready(self) -> bool:
+        """Block until every shard store is open (True) or one was closed first (False)."""
+        return all(store.wait_ready() for store in self.stores)
 
     @property
     def arenas(self) -> tuple[tuple[str, int], ...]:
@@ -311,10 +345,9 @@ class ShardStores:
         claim = min(counts)
         for store, count in zip(self.stores, counts, strict=True):
             store.unpin(keys[claim:count])
-        tail = keys[claim:]
-        maybe = min(store.count_maybe(tail) for store in self.stores) if tail else 0
-        if maybe:
-            self.prefetch(tail[:maybe])
+        # NOTE: one step per shard; each walks the tail on its I/O side (KVStore.prefetch_many)
+        for store in self.stores:
+            store.prefetch_many(keys[claim:], maybe_only=True)
         self.record_hits(keys[:claim])
         return claim
 

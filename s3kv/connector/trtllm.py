@@ -13,8 +13,11 @@ things that reach TensorRT-LLM's MPI workers.
 
 Nothing here raises into the engine: every entry point is guarded, and a failure turns into
 "claim nothing / save nothing" plus one log line. A configuration outside the envelope
-TensorRT-LLM requires, or a KV layout s3kv cannot serve, switches the connector off at startup
-with one clear message.
+TensorRT-LLM requires, a bad setting, or a KV layout s3kv cannot serve, switches the connector
+off at startup with one clear message; constructors never raise. A bucket that does not answer
+at startup does not switch it off: startup waits at most ``startup_timeout``, the connector
+starts degraded (claims nothing, saves nothing) and its stores open in the background once the
+bucket answers (:mod:`s3kv.startup`).
 """
 
 from __future__ import annotations
@@ -22,13 +25,14 @@ from __future__ import annotations
 import functools
 import logging
 import socket
+import threading
 from collections.abc import Callable
 from typing import Any, TypeVar
 
 from s3kv.config import S3KVConfig
 from s3kv.connector.api import SchedulerBase, SchedulerOutput, WorkerBase
 from s3kv.connector.arena import SlabArena
-from s3kv.connector.comm import get_collectives
+from s3kv.connector.comm import Collectives, get_collectives
 from s3kv.connector.completion import CompletionBoard
 from s3kv.connector.envelope import envelope_problems, envelope_warnings, pool_dtype_problem
 from s3kv.connector.identity import kv_dtype_name, shard_identity, weights_revision
@@ -74,28 +78,28 @@ class S3KVConnectorScheduler(SchedulerBase):  # type: ignore[misc]
     """Rank 0: answers "how many tokens are cached" from memory and plans loads and saves."""
 
     def __init__(self, llm_args: Any) -> None:
-        super().__init__(llm_args)
+        self._llm_args = llm_args
         self.off_reason = ""
         self.core: SchedulerCore | None = None
         self.warm: WarmStart | None = None
         self._warm_awaited = False
         try:
+            super().__init__(llm_args)
             config = S3KVConfig.load()
             problems = envelope_problems(llm_args)
             if problems:
                 self.turn_off(problems[0])
-                return
-            for warning in envelope_warnings(llm_args):
-                logger.warning("s3kv: %s", warning)
-            self.config = config
-            self._lora_revisions = config.lora_revision_map()
-            self.core = SchedulerCore(config, _tokens_per_block(llm_args))
+            else:
+                for warning in envelope_warnings(llm_args):
+                    logger.warning("s3kv: %s", warning)
+                self.config = config
+                self._lora_revisions = config.lora_revision_map()
+                self.core = SchedulerCore(config, _tokens_per_block(llm_args))
         except S3KVError as exc:  # a bad setting: one line naming it
             self.turn_off(str(exc))
-            return
         except Exception as exc:  # NOTE: nothing raises into the engine, constructors included
             self.turn_off(f"cannot start ({type(exc).__name__}: {exc})")
-            return
+        # NOTE: also when off: rank 0's worker then knows the reason was told (one line).
         process_state().scheduler = self
 
     def turn_off(self, reason: str) -> None:
@@ -115,7 +119,7 @@ class S3KVConnectorScheduler(SchedulerBase):  # type: ignore[misc]
             return
         try:
             self._open_shards(shards)
-        except S3KVError as exc:  # missing bucket, denied credentials, no shared memory
+        except S3KVError as exc:  # no bucket configured, no shared memory
             self.turn_off(str(exc))
 
     def _open_shards(self, shards: list[ShardInfo]) -> None:
@@ -143,10 +147,26 @@ class S3KVConnectorScheduler(SchedulerBase):  # type: ignore[misc]
             board = CompletionBoard.shared(len(shards))
         manager = "v2" if (identities[0].layout or "").startswith("trtllm-v2/") else "v1"
         core.attach(stores, board=board, manager=manager)
-        self.warm = WarmStart(
+        warm = WarmStart(
             stores, stores.stores[0], self.config.warm_start_bytes, self.config.warm_start_timeout
         )
-        self.warm.start()
+        if stores.ready:
+            self.warm = warm
+            warm.start()
+            return
+        # NOTE: the bucket has not answered (s3kv.startup): the stores claim and save nothing
+        # until it does, startup does not wait for it, and warm start runs once it answers.
+        threading.Thread(
+            target=self._warm_once_ready, args=(stores, warm), name="s3kv-warm-wait", daemon=True
+        ).start()
+
+    def _warm_once_ready(self, stores: ShardStores, warm: WarmStart) -> None:
+        try:
+            if stores.wait_ready():
+                self.warm = warm
+                warm.start()
+        except Exception:  # NOTE: a thread of our own: log, never raise
+            logger.exception("s3kv: warm start after a late bucket failed")
 
     def await_warm_start(self) -> None:
         """Wait (bounded by ``warm_start_timeout``) for warm staging; once per process.
@@ -227,22 +247,28 @@ class S3KVConnectorWorker(WorkerBase):  # type: ignore[misc]
     """Every rank: copies staged blocks into the pool and full blocks out to the bucket."""
 
     def __init__(self, llm_args: Any) -> None:
-        super().__init__(llm_args)
+        self._llm_args = llm_args
         self.off_reason = ""
         self.core: WorkerCore | None = None
-        self._collectives = get_collectives()
-        self.rank = self._collectives.rank
+        self._collectives: Collectives | None = None
+        self.rank = 0
         self.manager = "v1"  # "v2" once registered through register_kv_cache_layout
         self._pending_core: WorkerCore | None = None
         self._kv: Any = None
         self.config: S3KVConfig | None = None
         self.tp_size = 1
+        # NOTE: nothing raises into the engine, constructors included. A bad setting is told
+        # at registration, once the ranks have agreed (one line per process).
         try:
+            super().__init__(llm_args)
+            collectives = get_collectives()
+            self.rank = collectives.rank
+            self._collectives = collectives
             self.tp_size = int(getattr(llm_args, "tensor_parallel_size", 1) or 1)
             self.config = S3KVConfig.load()
         except S3KVError as exc:  # a bad setting: one line naming it (logged at registration)
             self.off_reason = str(exc)
-        except Exception as exc:  # NOTE: nothing raises into the engine, constructors included
+        except Exception as exc:
             self.off_reason = f"cannot start ({type(exc).__name__}: {exc})"
 
     def register_forward_pass_callable(self) -> Callable[[], None]:
@@ -265,15 +291,19 @@ class S3KVConnectorWorker(WorkerBase):  # type: ignore[misc]
         ranks instead of leaving the others waiting in a collective it skipped. A collective
         that itself fails (the MPI layer) is caught by the outer guard: the connector stays off.
         """
+        collectives = self._collectives
+        if collectives is None:  # NOTE: no rank, no collectives: the runtime itself failed
+            self._start([ShardInfo(self.rank, None, self.off_reason, 0, "")])
+            return
         # NOTE: rank 0 alone derives the weights revision (it may hash the checkpoint).
         local = self._attempt("weights revision", self._revision) if self.rank == 0 else None
-        revision, problem = self._collectives.broadcast(local or (UNKNOWN, ""))
+        revision, problem = collectives.broadcast(local or (UNKNOWN, ""))
         info = self._attempt(
             "registration", lambda: self._register_local(kv_cache_tensor, revision, problem)
         )
         if info is None:  # the guard logged it; the other ranks still need this rank's word
             info = ShardInfo(self.rank, None, "registration failed on this rank", 0, "")
-        shards = [ShardInfo(**s) for s in self._collectives.allgather(info.__dict__)]
+        shards = [ShardInfo(**s) for s in collectives.allgather(info.__dict__)]
         self._attempt("start", lambda: self._start(shards))
 
     def _attempt(self, what: str, step: Callable[[], T]) -> T | None:
@@ -323,7 +353,7 @@ class S3KVConnectorWorker(WorkerBase):  # type: ignore[misc]
         core, self._pending_core = self._pending_core, None
         scheduler = process_state().scheduler if self.rank == 0 else None
         off = [s for s in shards if s.identity is None]
-        if off:
+        if off and scheduler is None:  # NOTE: on rank 0 the scheduler tells it (one line)
             logger.error(
                 "s3kv: connector disabled on rank %d: rank %d: %s",
                 self.rank,
@@ -424,8 +454,11 @@ class S3KVConnectorWorker(WorkerBase):  # type: ignore[misc]
         if self.core is not None and isinstance(meta, ConnectorMetadata):
             self.core.start_load(meta, stream)
 
+    @_guarded(lambda *a, **k: None)
     def wait_for_layer_load(self, layer_idx: int, stream: Any) -> None:
-        """Nothing to wait for: loads were enqueued before the forward pass on its stream."""
+        """Order this layer's work after the copies of its layer group (a device-side wait)."""
+        if self.core is not None:
+            self.core.wait_for_layer(layer_idx, stream)
 
     def save_kv_layer(self, layer_idx: int, stream: Any) -> None:
         """Nothing per layer: whole blocks are copied after the forward-pass event."""
