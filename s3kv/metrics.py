@@ -113,6 +113,10 @@ HELP: Mapping[str, str] = {
         "(requests skipped; gauge)."
     ),
     "breaker_trips": "Times the circuit breaker opened.",
+    "store_pending": (
+        "1 while the store waits for a bucket that did not answer at startup (it claims and "
+        "saves nothing until then; gauge)."
+    ),
 }
 
 #: Help text of the manifest series (``s3kv_manifest_<name>``), by ``stats()`` key.
@@ -166,7 +170,7 @@ MANIFEST_GAUGES = frozenset(
     }
 )
 #: Gauges that keep the worst value, not the sum, when two registries share a label set.
-_MAX_GAUGES = frozenset({"breaker_state", "warm_ready"})
+_MAX_GAUGES = frozenset({"breaker_state", "warm_ready", "store_pending"})
 _NAME_RE = re.compile(r"[^a-zA-Z0-9_]")
 
 

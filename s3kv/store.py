@@ -215,6 +215,7 @@ class KVStore:
         self._log_once = LogOnce(logger)
         self._exports: list[Export] = []
         self.metrics.set("staging_capacity_bytes", config.staging_bytes)
+        self.metrics.watch("store_pending", lambda: 0.0 if self.ready else 1.0)
         self.metrics.set("inflight_save_limit_bytes", config.max_inflight_save_bytes)
         self.metrics.set("inflight_save_bytes", 0)
         self.metrics.set("staging_bytes", self.staging.used_bytes)

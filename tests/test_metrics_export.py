@@ -458,7 +458,7 @@ def test_the_readme_lists_every_metric_with_its_type() -> None:
     gauges = {
         "staging_bytes", "staging_blocks", "staging_capacity_bytes", "inflight_save_bytes",
         "inflight_save_limit_bytes", "breaker_state", "warm_blocks_planned",
-        "warm_blocks_staged", "warm_ready",
+        "warm_blocks_staged", "warm_ready", "store_pending",
     }  # fmt: skip
     expected = {}
     for name in HELP:
