@@ -2,14 +2,14 @@
 
 Two encoders write standard zstd frames, so any zstd decoder reads every section:
 
-* :meth:`ThreadZstd.entropy_frame` codes a byte plane with zstd's Huffman literal coder only,
-  through libzstd's ``ZSTD_compressSequencesAndLiterals`` with zero matches. A bf16 exponent
+* :meth:`ThreadZstd.entropy_frame_into` codes a byte plane with zstd's Huffman literal coder
+  only, through libzstd's ``ZSTD_compressSequencesAndLiterals`` with zero matches. A bf16 exponent
   plane (~3 bits of order-0 entropy) gains nothing from match finding, which is what makes
   zstd level 1 slow and, at higher levels, *worse* on it (perf-anchors §2.1).
 * :meth:`ThreadZstd.zstd_frame` is ordinary zstd at a level, for data with repeats.
 
 libzstd's experimental API is reached through the cffi module bundled with ``zstandard``
-(``zstandard._cffi``). Where it cannot be imported, :meth:`entropy_frame` falls back to
+(``zstandard._cffi``). Where it cannot be imported, :meth:`entropy_frame_into` falls back to
 zstd level 1 through the C extension (same wire format, encode 2-3x slower) and decoding to
 ``ZstdDecompressor.decompress`` plus one copy. Every failure to decode surfaces as
 :class:`FrameError`; the caller maps it to its own exception tree.
@@ -28,9 +28,15 @@ import zstandard
 
 U8 = npt.NDArray[np.uint8]
 
-#: Largest plane chunk entropy_frame accepts (and the size of each scratch buffer).
+#: Largest plane chunk entropy_frame_into accepts.
 MAX_ENTROPY_CHUNK: Final = 256 * 1024
-#: libzstd's largest block; entropy_frame emits one block per this many literals.
+#: Bytes of one plane that a thread's scratch holds for a group of chunks (at least one).
+PLANE_GROUP: Final = 1024 * 1024
+#: Room a frame of up to MAX_ENTROPY_CHUNK bytes may need: libzstd's ZSTD_compressBound.
+FRAME_BOUND: Final = MAX_ENTROPY_CHUNK + (MAX_ENTROPY_CHUNK >> 8) + 64
+#: Largest payload scratch a thread keeps between calls (larger objects get a fresh one).
+MAX_KEPT_PAYLOAD: Final = 64 * 1024 * 1024
+#: libzstd's largest block; entropy_frame_into emits one block per this many literals.
 _BLOCK: Final = 128 * 1024
 #: Readable bytes libzstd may touch past the end of the literals (its documented contract).
 _LITERAL_SLACK: Final = 8
@@ -63,20 +69,22 @@ class FrameError(Exception):
 class ThreadZstd:
     """zstd contexts and scratch buffers owned by one thread; see :func:`local`.
 
-    Memory: about 3 x ``MAX_ENTROPY_CHUNK`` of scratch plus the zstd contexts (~1 MiB at
-    level 1), per thread that ever encoded or decoded.
+    Memory: ``PLANE_GROUP`` + 2 x ``MAX_ENTROPY_CHUNK`` of scratch plus the zstd contexts
+    (~1 MiB at level 1), per thread that ever encoded or decoded; a thread that encoded also
+    keeps a payload scratch the size of its largest object (up to ``MAX_KEPT_PAYLOAD``).
     """
 
     def __init__(self) -> None:
-        self.plane: U8 = np.empty(MAX_ENTROPY_CHUNK + _LITERAL_SLACK, np.uint8)
-        self.plane2: U8 = np.empty(MAX_ENTROPY_CHUNK, np.uint8)
+        #: One plane of a group of chunks (see :mod:`s3kv._planes`), plus libzstd's slack.
+        self.plane: U8 = np.empty(PLANE_GROUP + _LITERAL_SLACK, np.uint8)
+        #: One plane of one chunk, plus libzstd's slack.
+        self.plane2: U8 = np.empty(MAX_ENTROPY_CHUNK + _LITERAL_SLACK, np.uint8)
+        self._payload: U8 = np.empty(0, np.uint8)
+        self._probe_dst: U8 = np.empty(FRAME_BOUND, np.uint8)
         self._compressors: dict[int, zstandard.ZstdCompressor] = {}
         self._decompressor = zstandard.ZstdDecompressor()
         if _CFFI is not None:
             lib, ffi = _CFFI
-            self._dst: U8 = np.empty(lib.ZSTD_compressBound(MAX_ENTROPY_CHUNK), np.uint8)
-            self._dst_ptr = ffi.from_buffer(self._dst, require_writable=True)
-            self._plane_ptr = ffi.from_buffer(self.plane)
             self._seqs = ffi.new("ZSTD_Sequence[]", -(-MAX_ENTROPY_CHUNK // _BLOCK))
             self._cctx = ffi.gc(lib.ZSTD_createCCtx(), lib.ZSTD_freeCCtx)
             self._dctx = ffi.gc(lib.ZSTD_createDCtx(), lib.ZSTD_freeDCtx)
@@ -85,18 +93,45 @@ class ThreadZstd:
                 self._cctx, lib.ZSTD_c_blockDelimiters, lib.ZSTD_sf_explicitBlockDelimiters
             )
 
-    def entropy_frame(self, n: int) -> bytes | None:
-        """Huffman-code ``self.plane[:n]`` as one zstd frame.
+    def payload(self, raw_len: int) -> U8:
+        """Scratch for the payload of a ``raw_len``-byte object: room for every section
+        stored raw plus one frame bound, so that :meth:`entropy_frame_into` can write at any
+        offset the encoder reaches. Reused by the thread's next call (up to
+        ``MAX_KEPT_PAYLOAD`` bytes); the caller copies what it keeps before then.
+        """
+        need = raw_len + FRAME_BOUND
+        if self._payload.size >= need:
+            return self._payload
+        scratch = np.empty(need, np.uint8)
+        if need <= MAX_KEPT_PAYLOAD:
+            self._payload = scratch
+        return scratch
+
+    def entropy_frame_into(self, plane: U8, n: int, out: U8, at: int) -> int:
+        """Huffman-code ``plane[:n]`` as one zstd frame written at ``out[at:]``.
 
         Args:
-            n: Bytes of ``self.plane`` to code, 1..MAX_ENTROPY_CHUNK.
+            plane: The bytes to code, followed by ``_LITERAL_SLACK`` readable bytes
+                (libzstd may read them): a slice of ``self.plane`` or ``self.plane2``.
+            n: Bytes to code, 1..MAX_ENTROPY_CHUNK.
+            out: Destination; ``out[at:]`` must hold at least FRAME_BOUND bytes.
+            at: Offset of the frame in ``out``.
 
         Returns:
-            The frame, or None when it would not be smaller than ``n`` (store it raw).
+            The frame's length, or 0 when it would not be smaller than ``n`` (store the
+            plane raw; ``out[at:]`` then holds garbage).
+
+        Raises:
+            ValueError: ``plane`` lacks the slack, or ``out[at:]`` the room.
         """
+        if len(plane) < n + _LITERAL_SLACK or len(out) - at < FRAME_BOUND:
+            raise ValueError(f"entropy_frame_into: no room for {n} bytes (a caller bug)")
         if _CFFI is None:
-            frame = self.zstd_frame(self.plane[:n], 1)
-            return frame if len(frame) < n else None
+            frame = self.zstd_frame(plane[:n], 1)
+            if len(frame) >= n:
+                return 0
+            out[at : at + len(frame)] = np.frombuffer(frame, np.uint8)
+            return len(frame)
         lib, ffi = _CFFI
         # NOTE: per block, one sequence of literals and no match, flagged as the block's end:
         # libzstd then only builds a Huffman table and codes literals (no match finder runs).
@@ -104,21 +139,25 @@ class ThreadZstd:
         for start in range(0, n, _BLOCK):
             self._seqs[nseq].litLength = min(_BLOCK, n - start)
             nseq += 1
-        size = lib.ZSTD_compressSequencesAndLiterals(
+        size: int = lib.ZSTD_compressSequencesAndLiterals(
             self._cctx,
-            self._dst_ptr,
-            len(self._dst),
+            ffi.from_buffer(out[at : at + FRAME_BOUND], require_writable=True),
+            FRAME_BOUND,
             self._seqs,
             nseq,
-            self._plane_ptr,
+            ffi.from_buffer(plane),
             n,
             n + _LITERAL_SLACK,
             n,
         )
-        # An error here means "incompressible block" (the documented limitation): store raw.
-        if lib.ZSTD_isError(size) or size >= n:
-            return None
-        return bytes(ffi.buffer(self._dst_ptr, size))
+        # NOTE: an error here means "incompressible block" (the documented limitation): store
+        # raw. Errors are sizes above any capacity, so one comparison tells both apart
+        # without a second call into libzstd (each call drops and retakes the GIL).
+        return size if size < n else 0
+
+    def compresses(self, plane: U8, n: int) -> bool:
+        """Whether :meth:`entropy_frame_into` would shrink ``plane[:n]``."""
+        return self.entropy_frame_into(plane, n, self._probe_dst, 0) > 0
 
     def zstd_frame(self, data: Any, level: int) -> bytes:
         """Ordinary zstd at ``level`` (a bytes-like ``data``); one frame with content size."""
@@ -140,11 +179,11 @@ class ThreadZstd:
             src = ffi.from_buffer(frame)
             out = ffi.from_buffer(dst, require_writable=True)
             size = lib.ZSTD_decompressDCtx(self._dctx, out, len(dst), src, len(src))
+            if size == len(dst):
+                return  # NOTE: an error code is never a valid length: no ZSTD_isError call
             if lib.ZSTD_isError(size):
                 raise FrameError(ffi.string(lib.ZSTD_getErrorName(size)).decode())
-            if size != len(dst):
-                raise FrameError(f"frame decodes to {size} bytes, expected {len(dst)}")
-            return
+            raise FrameError(f"frame decodes to {size} bytes, expected {len(dst)}")
         try:
             # NOTE: python-zstandard sizes its output from the frame header when it has one;
             # check it first so that a lying header cannot make it allocate more.

@@ -73,6 +73,7 @@ _MAX_NDIM: Final = 32
 _MIN_LEVEL: Final = -(1 << 17)  # libzstd's ZSTD_minCLevel()
 _FIXED = struct.Struct("<4sHIBBBBQQ16s16s8s")
 _SECTION = struct.Struct("<BQ")
+_SECTION_CODECS: Final = {c.value: c for c in SectionCodec}  # by wire byte
 _U32 = struct.Struct("<I")
 _MIN_HEADER: Final = _FIXED.size + _U32.size + _U32.size
 
@@ -254,8 +255,8 @@ def encode(
         raise ValueError(f"raw: {raw_len} bytes is over the {MAX_RAW_LEN}-byte limit")
     if not _MIN_LEVEL <= level <= zstandard.MAX_COMPRESSION_LEVEL:
         raise ValueError(f"level: must be a zstd level in [{_MIN_LEVEL}, 22], got {level}")
-    # NOTE: the encoders hash the raw bytes chunk by chunk, while each chunk is in L2: one
-    # pass over a cold block instead of two (+3-7% encode speed on real KV).
+    # NOTE: the encoders hash the raw bytes a group of chunks at a time (see _planes), while
+    # the group is still in cache: one pass over a cold block instead of two.
     hasher = xxhash.xxh3_128()
     layout = None
     if codec is not CodecId.RAW and raw_len > 0:
@@ -345,12 +346,16 @@ def read_header(blob: Bytes) -> Header:
     raw_lengths = _raw_lengths(raw_len, chunk_len, planes)
     sections = []
     table = view[table_at + _U32.size : header_len - _U32.size]
+    stored_only = codec is CodecId.RAW
+    # NOTE: a tuple lookup, not SectionCodec(flag): this loop runs under the GIL for every
+    # block a thread decodes, and the enum call was most of the header's parse time.
     for (flag, stored), n in zip(_SECTION.iter_unpack(table), raw_lengths, strict=True):
-        if flag not in SectionCodec._value2member_map_:
+        section_codec = _SECTION_CODECS.get(flag)
+        if section_codec is None:
             raise UnsupportedVersionError(f"unknown section codec {flag}")
-        if (flag == SectionCodec.STORED or codec is CodecId.RAW) and stored != n:
+        if (section_codec is SectionCodec.STORED or stored_only) and stored != n:
             raise SizeMismatchError(f"stored section of {stored} bytes, raw length is {n}")
-        sections.append(Section(SectionCodec(flag), stored, n))
+        sections.append(Section(section_codec, stored, n))
     header = Header(
         version,
         codec,
@@ -449,8 +454,9 @@ def decode(
     if xxhash.xxh3_64(payload).digest() != header.payload_checksum:
         raise ChecksumError("payload does not match its xxh3_64 checksum")
     src = np.frombuffer(memoryview(blob).cast("B"), np.uint8)
-    # NOTE: the decoders hash each chunk of output right after writing it, while it is in
-    # L2 (no measurable gain over a final pass on 1.5 MB blocks; it is for larger ones).
+    # NOTE: the decoders hash each group of chunks right after writing it, while it is in
+    # cache (no gain over a final pass on 1.5 MB blocks, which are one group; it is for
+    # larger ones).
     hasher = xxhash.xxh3_128()
     try:
         if header.planes == 2:
