@@ -597,7 +597,7 @@ class KVStore:
                 self.metrics.inc("prefetch_no_room")
                 return
             try:
-                codec.decode(blob, key=object_key, out=buffer.data)
+                codec.decode(blob, key=object_key, out=buffer.data, header=header)
             except CodecError:
                 self.staging.release(buffer)
                 raise
