@@ -56,3 +56,21 @@ def test_a_corrupt_object_is_fetched_once_not_per_lookup() -> None:
     assert gets(reader) == after_first, "quarantined: no GET of the corrupt object again"
     assert reader.metrics.value("corrupt_objects", kind="checksum") == 1
     assert reader.metrics.value("prefetch_quarantined") == 9
+
+
+def test_ops_never_read_an_oversized_identity_or_sample_junk() -> None:
+    import tracemalloc
+
+    from s3kv.keys import identity_object_key
+    from s3kv.ops.scope import read_identity
+
+    backend = MemoryBackend()
+    fp = "0" * 32
+    backend.put(identity_object_key("s3kv", fp), b"{" + b" " * (32 << 20) + b"}")
+    tracemalloc.start()
+    try:
+        assert read_identity(backend, "s3kv", fp) is None
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 4 << 20

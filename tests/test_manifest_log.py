@@ -433,9 +433,9 @@ def test_open_never_blocks_past_its_timeout(backend: CountingBackend, clock: Clo
     slow = CountingBackend(backend)
     original = slow.get
 
-    def sluggish(key: str) -> bytes | None:
+    def sluggish(key: str, *, max_bytes: int | None = None) -> bytes | None:
         time.sleep(0.3)
-        return original(key)
+        return original(key, max_bytes=max_bytes)
 
     slow.get = sluggish  # type: ignore[method-assign]
     started = time.monotonic()

@@ -12,8 +12,10 @@ The parts, inward first (each imports only the ones listed before it)::
     format       wire formats and object names (segments, usage tables, format-1 CURRENT)
     bloom        the vectorized, serializable Bloom filter (growth partitions)
     xorfilter    the static xor filter (snapshot shards: 3.7 bytes per key)
-    io           ManifestIO (every manifest request, counted) and SegmentWriter (the one
-                 way a segment is named and written)
+    retry        RetryBook: reads that failed verification, retried with backoff (bounded)
+    io           ManifestIO (every manifest request, counted and capped at the object's
+                 largest legitimate size) and SegmentWriter (the one way a segment is named
+                 and written)
     queue        the bounded queue of records waiting for the next flush
     usage        folding records into per-key usage; UsageTable
     log          log entries, the LATEST hint, conditional appends (lease and fencing)

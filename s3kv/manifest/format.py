@@ -50,6 +50,9 @@ __all__ = [
     "KIND_PIN",
     "KIND_UNPIN",
     "KIND_WRITE",
+    "MAX_CURRENT_BYTES",
+    "MAX_SEGMENT_BYTES",
+    "MAX_SEGMENT_RECORDS",
     "RECORD_DTYPE",
     "SEGMENT_MAGIC",
     "UNKNOWN_PARENT",
@@ -80,6 +83,14 @@ MAX_RATIO: Final = 64
 _FREE_RAW_BYTES: Final = 1 << 20
 #: ``CURRENT`` is a few KB plus folded segment names; refuse absurd ones before parsing.
 MAX_CURRENT_BYTES: Final = 16 * 1024 * 1024
+#: Most records one segment holds: a writer splits more over several segments. A flush
+#: holds at most 8 x ``manifest_flush_keys`` records (32,768 at the default: 1.7 MB at
+#: worst), ``s3kv pin`` two per block; neither has an upper bound of its own.
+MAX_SEGMENT_RECORDS: Final = 1 << 20
+#: The longest segment a reader accepts (it refuses a longer one unread, as corrupt).
+#: Segments have no length in a log entry to check against, so this bounds what junk
+#: under a segment name costs a reader: ``MAX_SEGMENT_RECORDS`` need at most 55.8 MB.
+MAX_SEGMENT_BYTES: Final = 64 << 20
 SEGMENTS_DIR: Final = "segments/"
 SNAPSHOTS_DIR: Final = "snapshots/"
 

@@ -5,9 +5,13 @@ live manifest (:mod:`s3kv.manifest.live`), compaction and usage loading all read
 through it. :class:`SegmentWriter` is the one way a segment is named and written: the live
 manifest flushes through it, and so does ``s3kv pin`` (:mod:`s3kv.ops.pins`).
 
+Every GET is capped at the longest object of its kind (``max_bytes``): a longer one is
+refused before its body is read, as corrupt, so junk under a manifest name costs no memory.
+
 A read that fails verification may be a fault on the way rather than in the bucket:
 :meth:`ManifestIO.read_records_checked` tells the two apart as far as two reads can
-(:class:`Fault`), and :class:`RetryBook` keeps the ones to read again later, bounded.
+(:class:`Fault`), and :class:`~s3kv.manifest.retry.RetryBook` keeps the ones to read again
+later, bounded.
 """
 
 from __future__ import annotations
@@ -20,24 +24,34 @@ from typing import Final
 
 import numpy as np
 
-from s3kv.errors import CodecError, PreconditionFailedError
+from s3kv.errors import (
+    CodecError,
+    ObjectTooLargeError,
+    PreconditionFailedError,
+    SizeMismatchError,
+)
 from s3kv.keys import manifest_prefix
 from s3kv.manifest.format import (
     CURRENT_NAME,
+    MAX_CURRENT_BYTES,
+    MAX_SEGMENT_BYTES,
+    MAX_SEGMENT_RECORDS,
     RECORD_DTYPE,
     SEGMENTS_DIR,
+    USAGE_DTYPE,
     Current,
     Records,
     decode_records,
     decode_usage,
     encode_records,
+    max_encoded_len,
     segment_name,
     segment_time_ms,
     segments_start_after,
 )
 from s3kv.storage import DELETE_BATCH, Backend, ObjectInfo
 
-__all__ = ["Fault", "ManifestIO", "RetryBook", "SegmentWriter", "read_segments"]
+__all__ = ["Fault", "ManifestIO", "SegmentWriter", "read_segments"]
 
 logger = logging.getLogger(__name__)
 
@@ -58,8 +72,9 @@ class Fault(Enum):
 class ManifestIO:
     """Counted access to one fingerprint's manifest objects.
 
-    Every method may raise :class:`~s3kv.errors.StorageError` from the backend; decoding
-    methods also raise :class:`~s3kv.errors.CodecError`.
+    Every method may raise :class:`~s3kv.errors.StorageError` from the backend; reading
+    methods also raise :class:`~s3kv.errors.CodecError`, for an object that fails its
+    checks or is longer than its kind can be (refused unread).
 
     Args:
         backend: The bucket.
@@ -82,10 +97,25 @@ class ManifestIO:
         with self._lock:
             self._requests += n
 
-    def get(self, path: str) -> bytes | None:
-        """The object at ``path`` (relative to the manifest prefix), or ``None``."""
+    def get(self, path: str, *, max_bytes: int) -> bytes | None:
+        """The object at ``path`` (relative to the manifest prefix), or ``None``.
+
+        Raises:
+            SizeMismatchError: the object is longer than ``max_bytes`` (the longest its
+                kind can be): refused unread, and corrupt like any object failing its checks.
+        """
+        try:
+            return self._get(path, max_bytes)
+        except ObjectTooLargeError as exc:
+            raise SizeMismatchError(
+                f"manifest {path}: more than the {max_bytes} bytes its kind can be; not read "
+                "(a corrupt or foreign object)"
+            ) from exc
+
+    def _get(self, path: str, max_bytes: int) -> bytes | None:
+        """:meth:`get`, raising :class:`ObjectTooLargeError` for an object too long."""
         self._count()
-        return self.backend.get(self.root + path)
+        return self.backend.get(self.root + path, max_bytes=max_bytes)
 
     def put(self, path: str, data: bytes, *, if_absent: bool = False) -> bool:
         """PUT ``data`` at ``path``; ``False`` only when ``if_absent`` found it present."""
@@ -128,7 +158,7 @@ class ManifestIO:
         Raises:
             CodecError: ``CURRENT`` exists but is not a valid pointer.
         """
-        data = self.get(CURRENT_NAME)
+        data = self.get(CURRENT_NAME, max_bytes=MAX_CURRENT_BYTES)
         return None if data is None else Current.from_json(data)
 
     def segments(self, cutoff_ms: int, skip: Collection[str] = ()) -> list[tuple[str, int]]:
@@ -143,8 +173,12 @@ class ManifestIO:
         return found
 
     def read_segment(self, name: str) -> Records | None:
-        """The verified records of segment ``name``; ``None`` if it is gone (compacted)."""
-        data = self.get(SEGMENTS_DIR + name)
+        """The verified records of segment ``name``; ``None`` if it is gone (compacted).
+
+        Raises:
+            CodecError: corrupt, or longer than any segment can be.
+        """
+        data = self.get(SEGMENTS_DIR + name, max_bytes=MAX_SEGMENT_BYTES)
         return None if data is None else decode_records(data)
 
     def read_segment_checked(self, name: str, size: int | None = None) -> Records | Fault | None:
@@ -165,17 +199,26 @@ class ManifestIO:
         evidence. ``count`` is the record count the caller knows (a delta's, from its log
         entry): a body declaring another fails verification.
 
+        Each GET is capped: at the longest object ``count`` records make, else at the
+        longest segment (:data:`~s3kv.manifest.format.MAX_SEGMENT_BYTES`). A longer object
+        is refused unread, and :attr:`Fault.CORRUPT` when its stored size (listed, else one
+        HEAD) is over the cap too.
+
         Raises:
             StorageError: a request failed.
         """
-        data = self.get(path)
-        if data is None:
-            return None
+        bound = MAX_SEGMENT_BYTES if count is None else max_encoded_len(count, RECORD_DTYPE)
         try:
-            return decode_records(data, count=count)
-        except CodecError as exc:
-            first = exc
-        again = self.get(path)
+            data = self._get(path, bound)
+            if data is None:
+                return None
+            try:
+                return decode_records(data, count=count)
+            except CodecError as exc:
+                first = exc
+            again = self._get(path, bound)
+        except ObjectTooLargeError:
+            return self._oversized(path, size, bound)
         if again is None:
             return None
         try:
@@ -183,11 +226,9 @@ class ManifestIO:
         except CodecError:
             pass
         if size is None and again == data:
-            self._count()
-            info = self.backend.head(self.root + path)
-            if info is None:
+            size = self._stored_size(path)
+            if size is None:
                 return None
-            size = info.size
         if again == data and len(data) == size:
             logger.warning("s3kv manifest: skipping corrupt object %s (%s)", path, first.kind)
             return Fault.CORRUPT
@@ -199,13 +240,39 @@ class ManifestIO:
         )
         return Fault.UNVERIFIED
 
+    def _oversized(self, path: str, size: int | None, bound: int) -> Fault | None:
+        """Why ``path``, refused as longer than ``bound``, gave no records (``None``: gone)."""
+        if size is None:
+            size = self._stored_size(path)
+            if size is None:
+                return None
+        if size > bound:
+            logger.warning(
+                "s3kv manifest: skipping corrupt object %s (%d bytes, at most %d expected)",
+                path,
+                size,
+                bound,
+            )
+            return Fault.CORRUPT
+        # NOTE: the GET said too long, the listing (or HEAD) says not: two answers that
+        # disagree are no proof that the object is corrupt. Read it again later.
+        logger.info("s3kv manifest: %s was refused as too long, but is %d bytes", path, size)
+        return Fault.UNVERIFIED
+
+    def _stored_size(self, path: str) -> int | None:
+        """The stored size of ``path`` by one HEAD (``None``: gone)."""
+        self._count()
+        info = self.backend.head(self.root + path)
+        return None if info is None else info.size
+
     def read_usage(self, current: Current) -> Records:
         """The usage table of ``current``'s snapshot.
 
         Raises:
-            CodecError: missing or corrupt.
+            CodecError: missing or corrupt, or longer than ``current.keys`` rows can be.
         """
-        data = self.get(current.usage)
+        bound = max_encoded_len(max(0, current.keys), USAGE_DTYPE)  # NOTE: it holds `keys` rows
+        data = self.get(current.usage, max_bytes=bound)
         if data is None:
             raise CodecError(f"usage: {current.usage} is missing (CURRENT is stale?)")
         return decode_usage(data)
@@ -235,64 +302,6 @@ def read_segments(
     return records, read, unread
 
 
-class RetryBook:
-    """Names whose reads failed, to read again on later rounds: bounded in names and tries.
-
-    A name is read again 1, 2, 4, then 8 rounds after its failures and given up at the
-    ``attempts``-th; at most ``names`` are held, and a failure beyond that is given up at
-    once. A writer that plants any number of unreadable objects therefore costs at most
-    ``names`` entries (about 200 bytes each) and ``names`` extra reads in one round, and
-    each object at most ``attempts`` failed reads. Not thread-safe (one refresher uses it).
-
-    Args:
-        names: Most names held.
-        attempts: Failed reads of one name before it is given up.
-    """
-
-    def __init__(self, names: int = 256, attempts: int = 5) -> None:
-        self.names = names
-        self.attempts = attempts
-        self._round = 0
-        self._held: dict[str, tuple[int, int]] = {}  # name -> (failures, round due)
-
-    def __len__(self) -> int:
-        return len(self._held)
-
-    def __contains__(self, name: object) -> bool:
-        return name in self._held
-
-    def held(self) -> list[str]:
-        """Every name held, due or not."""
-        return list(self._held)
-
-    def next_round(self) -> None:
-        """Start a round (each refresh is one)."""
-        self._round += 1
-
-    def due(self, name: str) -> bool:
-        """Whether to read ``name`` in this round (a name not held always is)."""
-        held = self._held.get(name)
-        return held is None or held[1] <= self._round
-
-    def failed(self, name: str) -> bool:
-        """Count a failed read of ``name``; ``True`` if it will be read again, ``False``
-        if it is given up (too many failures, or no room)."""
-        failures = self._held.get(name, (0, 0))[0] + 1
-        if failures >= self.attempts or (name not in self._held and len(self) >= self.names):
-            self._held.pop(name, None)
-            return False
-        self._held[name] = (failures, self._round + (1 << (failures - 1)))
-        return True
-
-    def forget(self, name: str) -> None:
-        """Stop tracking ``name`` (read at last, gone, or no longer needed)."""
-        self._held.pop(name, None)
-
-    def clear(self) -> None:
-        """Forget every name."""
-        self._held.clear()
-
-
 class SegmentWriter:
     """Writes the segments of one writer: named ``<clock ms>-<instance_id>-<seq>.seg``.
 
@@ -314,12 +323,23 @@ class SegmentWriter:
         self._lock = threading.Lock()
 
     def write(self, records: Records) -> str:
-        """PUT one segment holding ``records`` (of ``RECORD_DTYPE``); returns its name.
+        """PUT ``records`` (of ``RECORD_DTYPE``) as one segment; returns its name.
+
+        More than :data:`~s3kv.manifest.format.MAX_SEGMENT_RECORDS` go in several segments,
+        in order (the name returned is the last one's), so that no segment is ever longer
+        than readers accept.
 
         Raises:
-            StorageError: the PUT failed (nothing was written).
+            StorageError: a PUT failed (the segments before it were written: records
+                written again later are only coalesced).
             PreconditionFailedError: every name tried was taken (is ``instance_id`` shared?).
         """
+        name = ""
+        for start in range(0, max(1, len(records)), MAX_SEGMENT_RECORDS):
+            name = self._write_one(records[start : start + MAX_SEGMENT_RECORDS])
+        return name
+
+    def _write_one(self, records: Records) -> str:
         blob = encode_records(records)
         for _ in range(_NAME_ATTEMPTS):
             with self._lock:

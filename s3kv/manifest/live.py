@@ -54,9 +54,10 @@ from s3kv.manifest.format import (
     Records,
     valid_instance_id,
 )
-from s3kv.manifest.io import Fault, ManifestIO, RetryBook, SegmentWriter
+from s3kv.manifest.io import Fault, ManifestIO, SegmentWriter
 from s3kv.manifest.log import DeltaRef, LogEntry, ManifestLog
 from s3kv.manifest.queue import RecordQueue
+from s3kv.manifest.retry import RetryBook
 from s3kv.manifest.snapshot import delta_write_keys, parallel, read_filters
 from s3kv.storage import Backend
 
@@ -647,7 +648,7 @@ class Manifest:
         """No log yet: read every segment not read before (format 1, no compactor).
 
         A segment that fails verification, but not provably in the bucket, is read again
-        at later refreshes (:class:`~s3kv.manifest.io.RetryBook` bounds how often).
+        at later refreshes (:class:`~s3kv.manifest.retry.RetryBook` bounds how often).
         """
         listed = [
             (name, size)

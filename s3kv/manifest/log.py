@@ -283,8 +283,13 @@ class ManifestLog:
         self.io = io
 
     def read(self, version: int) -> LogEntry | None:
-        """Entry ``version``, or ``None`` if it does not exist (yet, or any more)."""
-        data = self.io.get(log_name(version))
+        """Entry ``version``, or ``None`` if it does not exist (yet, or any more).
+
+        Raises:
+            CodecError: not a valid entry (one longer than :data:`MAX_ENTRY_BYTES` is
+                refused unread).
+        """
+        data = self.io.get(log_name(version), max_bytes=MAX_ENTRY_BYTES)
         if data is None:
             return None
         entry = LogEntry.from_json(data)
@@ -294,14 +299,12 @@ class ManifestLog:
 
     def hint(self) -> int:
         """The version ``LATEST`` names (0 when absent or unreadable)."""
-        data = self.io.get(LATEST_NAME)
-        if data is not None and len(data) > MAX_HINT_BYTES:
-            return 0  # NOTE: not parsed: a hint is only a hint
         try:
+            data = self.io.get(LATEST_NAME, max_bytes=MAX_HINT_BYTES)
             value = json.loads(data)["version"] if data else 0
             return value if isinstance(value, int) and 0 <= value < _MAX_VERSION else 0
-        except JSON_ERRORS:
-            return 0  # NOTE: a hint is only a hint: a bad one costs a listing
+        except (CodecError, *JSON_ERRORS):
+            return 0  # NOTE: a hint is only a hint: a bad or oversized one costs a listing
 
     def latest(self) -> LogEntry | None:
         """The newest entry: the hint, probed forward; a listing when the hint lags far.

@@ -30,6 +30,7 @@ from s3kv.manifest.format import (
     decode_usage,
     encode_records,
     encode_usage,
+    max_encoded_len,
 )
 from s3kv.manifest.io import ManifestIO
 from s3kv.manifest.log import SnapshotRef
@@ -126,19 +127,20 @@ def write_delta(io: ManifestIO, path: str, records: Records) -> None:
     io.put(path, encode_records(records))
 
 
-def read_delta(io: ManifestIO, path: str, *, records: int | None = None) -> Records | None:
+def read_delta(io: ManifestIO, path: str, *, records: int) -> Records | None:
     """A delta's records; ``None`` if it is gone (a newer snapshot superseded it).
 
     Args:
         io: The manifest's objects.
         path: The delta's path.
         records: Its record count, from its :class:`~s3kv.manifest.log.DeltaRef`: an object
-            declaring another is corrupt (checked before anything is allocated).
+            declaring another, or longer than that many records can be, is corrupt (checked
+            before anything is read or allocated).
 
     Raises:
         CodecError: corrupt.
     """
-    data = io.get(path)
+    data = io.get(path, max_bytes=max_encoded_len(records, RECORD_DTYPE))
     return None if data is None else decode_records(data, count=records)
 
 
@@ -149,10 +151,11 @@ def read_usage_shard(io: ManifestIO, ref: SnapshotRef, shard: int) -> Records:
     """Usage rows of one shard.
 
     Raises:
-        CodecError: missing or corrupt, or not holding the rows ``ref`` counts for it.
+        CodecError: missing or corrupt, or not holding the rows ``ref`` counts for it (one
+            longer than those rows can be is refused unread).
     """
     path = ref.usage_path(shard)
-    data = io.get(path)
+    data = io.get(path, max_bytes=max_encoded_len(ref.shard_keys[shard], USAGE_DTYPE))
     if data is None:
         raise CodecError(f"usage: {path} is missing")
     return decode_usage(data, count=ref.shard_keys[shard])
@@ -169,7 +172,8 @@ def usage_shards(io: ManifestIO, ref: SnapshotRef | None) -> Iterator[tuple[int,
 def read_filters(io: ManifestIO, ref: SnapshotRef) -> tuple[list[XorFilter], int]:
     """Every shard's filter, fetched in parallel; (filters, shards rebuilt from usage).
 
-    A filter object that is missing or corrupt is rebuilt from its shard's usage table.
+    A filter object that is missing or corrupt is rebuilt from its shard's usage table, and
+    so is one longer than a filter of its shard's keys (refused unread).
 
     Raises:
         CodecError: a shard's filter and usage table are both unusable.
@@ -177,7 +181,8 @@ def read_filters(io: ManifestIO, ref: SnapshotRef) -> tuple[list[XorFilter], int
 
     def one(shard: int) -> tuple[XorFilter, bool]:
         try:
-            data = io.get(ref.filter_path(shard))
+            bound = XorFilter.serialized_size(ref.shard_keys[shard], ref.fp_bits)
+            data = io.get(ref.filter_path(shard), max_bytes=bound)
             if data is not None:
                 built = XorFilter.from_bytes(data)
                 if built.keys == ref.shard_keys[shard]:

@@ -32,7 +32,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from s3kv.errors import CodecError, ConfigError, KeyDerivationError
+from s3kv.errors import CodecError, ConfigError, KeyDerivationError, ObjectTooLargeError
 from s3kv.keys import (
     BlockHash,
     ModelIdentity,
@@ -178,13 +178,20 @@ def list_fingerprints(backend: Backend, prefix: str) -> list[str]:
     return sorted(name for name in backend.list_dirs(base) if _FINGERPRINT_RE.fullmatch(name))
 
 
+#: Longest ``identity.json`` read; s3kv writes a few hundred bytes.
+IDENTITY_MAX_BYTES = 1 << 20
+
+
 def read_identity(backend: Backend, prefix: str, fingerprint: str) -> dict[str, Any] | None:
     """The fingerprint's ``identity.json``, or ``None`` if it is absent or not valid JSON.
 
     Raises:
         StorageError: the GET failed for a reason other than "not found".
     """
-    data = backend.get(identity_object_key(prefix, fingerprint))
+    try:
+        data = backend.get(identity_object_key(prefix, fingerprint), max_bytes=IDENTITY_MAX_BYTES)
+    except ObjectTooLargeError:
+        return None  # NOTE: not an identity s3kv wrote (a few hundred bytes): not read
     if data is None:
         return None
     try:

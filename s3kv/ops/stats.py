@@ -46,7 +46,7 @@ from typing import Any
 
 import numpy as np
 
-from s3kv.errors import CodecError, ConfigError
+from s3kv.errors import CodecError, ConfigError, ObjectTooLargeError
 from s3kv.keys import fingerprint_prefix, parse_block_object_key
 from s3kv.manifest import USAGE_DTYPE, UsageTable, load_usage
 from s3kv.ops import ProgressFn, no_progress
@@ -439,6 +439,10 @@ def _histogram(ages: Iterable[float]) -> dict[str, int]:
     return counts
 
 
+#: Largest object whose header ``stats`` samples.
+SAMPLE_MAX_BYTES = 256 << 20
+
+
 def _raw_bytes(
     backend: Backend, fp: Fingerprint, blocks: list[BlockObject], sample: int
 ) -> tuple[int | None, str]:
@@ -453,7 +457,12 @@ def _raw_bytes(
     raw = stored = 0
     read = 0
     for obj in blocks[::step][:sample]:
-        data = backend.get(obj.key)
+        if obj.size > SAMPLE_MAX_BYTES:
+            continue  # NOTE: no block is this large; junk is not read to learn that
+        try:
+            data = backend.get(obj.key, max_bytes=max(obj.size, 1))
+        except ObjectTooLargeError:
+            continue  # rewritten larger since the listing
         if data is None:
             continue  # deleted since the listing
         try:
