@@ -21,14 +21,17 @@ A block's key must identify its KV bytes exactly, across processes, hosts and re
 
 from __future__ import annotations
 
+import array
 import hashlib
 import json
 import logging
 import os
 import struct
-from collections.abc import Sequence
+import sys
+import threading
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, fields
-from typing import Final, NewType
+from typing import Final, NewType, overload
 
 import numpy as np
 import numpy.typing as npt
@@ -182,44 +185,117 @@ def chain_hashes(
     """Chained hashes of the *full* blocks of ``tokens`` (a trailing partial block is skipped).
 
     Equivalent to calling :func:`hash_block` block by block, but converts the tokens once.
+    :class:`KeyChain` gives the same keys hashed on demand.
 
     Raises:
         KeyDerivationError: as :func:`hash_block`, or ``tokens_per_block < 1``.
     """
-    if tokens_per_block < 1:
-        raise KeyDerivationError(f"tokens_per_block: must be >= 1, got {tokens_per_block}")
-    arr = tokens_to_array(tokens)
-    n_blocks = arr.size // tokens_per_block
+    _check_tokens_per_block(tokens_per_block)
+    token_bytes = _token_bytes(tokens)
+    n_tokens = len(token_bytes) // 4
+    n_blocks = n_tokens // tokens_per_block
     if max_blocks is not None:
         n_blocks = min(n_blocks, max_blocks)
-    token_bytes = arr.tobytes()
-    extra_all = _extra_bytes(extra_ids, arr.size)
-    salt = _salt_bytes(cache_salt)
+    inputs = _Inputs.of(extra_ids, lora_task_id, multimodal, cache_salt, n_tokens)
+    return _hash_blocks(token_bytes, tokens_per_block, ROOT_HASH, 0, n_blocks, inputs)
+
+
+def _check_tokens_per_block(tokens_per_block: int) -> None:
+    if tokens_per_block < 1:
+        raise KeyDerivationError(f"tokens_per_block: must be >= 1, got {tokens_per_block}")
+
+
+def _token_bytes(tokens: Sequence[int] | npt.NDArray[np.integer]) -> bytes:
+    """``tokens`` as little-endian uint32 bytes, validated as :func:`tokens_to_array` does."""
+    if isinstance(tokens, list | tuple):
+        # NOTE: array("I") converts and range-checks a list of ints ~2-3x faster than
+        # np.asarray (the scheduler's path at 128K tokens); anything it refuses takes the
+        # numpy path, which names the problem.
+        try:
+            packed = array.array("I", tokens)
+        except (OverflowError, TypeError):
+            pass
+        else:
+            if packed.itemsize == 4:
+                if sys.byteorder != "little":
+                    packed.byteswap()
+                return packed.tobytes()
+    return tokens_to_array(tokens).tobytes()
+
+
+@dataclass(frozen=True)
+class _Inputs:
+    """The key inputs beyond the tokens, validated and encoded once."""
+
+    extra: bytes | None  # 8 bytes per token of the whole sequence
+    lora_task_id: int | None
+    multimodal: tuple[MultimodalItem, ...]
+    salt: bytes | None
+
+    @classmethod
+    def of(
+        cls,
+        extra_ids: Sequence[int] | None,
+        lora_task_id: int | None,
+        multimodal: Sequence[MultimodalItem],
+        cache_salt: str | bytes | None,
+        n_tokens: int,
+    ) -> _Inputs:
+        if lora_task_id is not None:
+            _u64(lora_task_id, "lora_task_id")
+        return cls(
+            _extra_bytes(extra_ids, n_tokens),
+            lora_task_id,
+            tuple(multimodal),
+            _salt_bytes(cache_salt),
+        )
+
+    @property
+    def plain(self) -> bool:
+        return self.extra is None and self.lora_task_id is None and not self.multimodal
+
+
+def _hash_blocks(
+    token_bytes: bytes,
+    tokens_per_block: int,
+    parent: BlockHash,
+    first: int,
+    n_blocks: int,
+    inputs: _Inputs,
+) -> list[BlockHash]:
+    """Keys of blocks ``first .. first + n_blocks - 1`` chained from ``parent``.
+
+    ``token_bytes`` holds those blocks' tokens (uint32 LE) from block ``first`` on.
+    """
     width = 4 * tokens_per_block
-    parent = ROOT_HASH
     out: list[BlockHash] = []
-    if extra_all is None and lora_task_id is None and not multimodal and n_blocks:
+    if inputs.plain and n_blocks:
+        start = 0
+        if first == 0:  # the first block alone may carry the salt
+            parent = _block_digest(
+                parent, token_bytes[:width], tokens_per_block, None, None, (), inputs.salt
+            )
+            out.append(parent)
+            start = 1
         # NOTE: the common case, inlined: the same bytes as _block_digest, built with one
-        # join per block (Python overhead, not SHA-256, dominates at 32 tokens per block).
-        first = _block_digest(parent, token_bytes[:width], tokens_per_block, None, None, (), salt)
-        out.append(first)
+        # join per block (Python overhead, not SHA-256, dominates at 32 tokens per block;
+        # hence no BlockHash() call per key either: NewType's call is a Python function).
         head, tail = _BLOCK_DOMAIN, _u32(tokens_per_block)
         suffix = b"\x00\x00" + _u32(0) + b"\x00"
-        sha256 = hashlib.sha256
-        parent = first
-        for i in range(1, n_blocks):
-            payload = b"".join(
-                (head, parent, tail, token_bytes[i * width : (i + 1) * width], suffix)
-            )
-            parent = BlockHash(sha256(payload).digest()[:HASH_BYTES])
-            out.append(parent)
+        sha256, join, append = hashlib.sha256, b"".join, out.append
+        digest: bytes = parent
+        for lo in range(start * width, n_blocks * width, width):
+            tokens = token_bytes[lo : lo + width]
+            digest = sha256(join((head, digest, tail, tokens, suffix))).digest()[:HASH_BYTES]
+            append(digest)  # type: ignore[arg-type]  # a BlockHash, without the call
         return out
     for i in range(n_blocks):
-        start, end = i * tokens_per_block, (i + 1) * tokens_per_block
-        extra = None if extra_all is None else extra_all[8 * start : 8 * end]
+        block = first + i
+        start, end = block * tokens_per_block, (block + 1) * tokens_per_block
+        extra = None if inputs.extra is None else inputs.extra[8 * start : 8 * end]
         mm_parts = [
             (item.content_hash, max(0, start - item.start), max(0, item.start - start))
-            for item in multimodal
+            for item in inputs.multimodal
             if item.start < end and item.start + item.length > start
         ]
         parent = _block_digest(
@@ -227,12 +303,190 @@ def chain_hashes(
             token_bytes[i * width : (i + 1) * width],
             tokens_per_block,
             extra,
-            lora_task_id,
+            inputs.lora_task_id,
             mm_parts,
-            salt if i == 0 else None,
+            inputs.salt if block == 0 else None,
         )
         out.append(parent)
     return out
+
+
+#: Approximate bytes per cached key: a 16-byte ``bytes`` object and its list slot.
+KEY_OVERHEAD: Final = 57
+
+
+class KeyChain(Sequence[BlockHash]):
+    """The chained keys of one request's tokens, hashed on demand, each block once.
+
+    ``chain[i]`` is ``chain_hashes(tokens, tokens_per_block, **inputs)[i]``: the same keys,
+    but a block is hashed only when some caller first needs it (at least :attr:`STEP`
+    blocks at a time), by whichever thread asks, and kept. Slices are lazy views; iterating
+    one hashes as it goes, in steps that double up to :attr:`MAX_STEP`, so a caller that
+    stops at the first miss pays for one step, not the rest. :meth:`extend` appends tokens
+    (decode) and the chain goes on from its last key.
+
+    Thread-safe: hashing happens under a lock held for at most :attr:`MAX_STEP` blocks at a
+    time, so a thread that needs a few keys never waits for another hashing a long tail.
+    Malformed tokens raise :class:`~s3kv.errors.KeyDerivationError` from whoever first needs
+    their block; malformed key inputs raise from the constructor.
+
+    Memory: about :data:`KEY_OVERHEAD` bytes per hashed block, plus a reference to the tokens
+    not hashed yet (released once every full block is hashed).
+
+    Args:
+        tokens: The token ids (referenced, not copied: do not mutate them).
+        tokens_per_block: Tokens per block.
+        extra_ids, lora_task_id, multimodal, cache_salt: as :func:`chain_hashes`.
+    """
+
+    #: Fewest blocks hashed per step (amortizes a step's fixed cost).
+    STEP: Final = 64
+    #: Most blocks hashed while holding the lock.
+    MAX_STEP: Final = 512
+
+    def __init__(
+        self,
+        tokens: Sequence[int],
+        tokens_per_block: int,
+        *,
+        extra_ids: Sequence[int] | None = None,
+        lora_task_id: int | None = None,
+        multimodal: Sequence[MultimodalItem] = (),
+        cache_salt: str | bytes | None = None,
+    ) -> None:
+        _check_tokens_per_block(tokens_per_block)
+        self._tpb = tokens_per_block
+        self._inputs = _Inputs.of(extra_ids, lora_task_id, multimodal, cache_salt, len(tokens))
+        self._tokens: Sequence[int] = tokens  # tokens from index self._base on
+        self._owned = False  # self._tokens is this chain's own list (extend appends to it)
+        self._base = 0
+        self._total = len(tokens)
+        self._keys: list[BlockHash] = []
+        self._lock = threading.Lock()
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens given so far (the constructor's and :meth:`extend`'s)."""
+        return self._total
+
+    @property
+    def hashed(self) -> int:
+        """Blocks hashed so far."""
+        return len(self._keys)
+
+    @property
+    def nbytes(self) -> int:
+        """Approximate memory held: the keys plus references to tokens not hashed yet."""
+        return len(self._keys) * KEY_OVERHEAD + 8 * (self._total - self._base)
+
+    def __len__(self) -> int:
+        return self._total // self._tpb
+
+    @overload
+    def __getitem__(self, index: int) -> BlockHash: ...
+
+    @overload
+    def __getitem__(self, index: slice) -> Sequence[BlockHash]: ...
+
+    def __getitem__(self, index: int | slice) -> BlockHash | Sequence[BlockHash]:
+        return _view_item(self, 0, len(self), index)
+
+    def __iter__(self) -> Iterator[BlockHash]:
+        return _iterate(self, 0, len(self))
+
+    def ensure(self, n_blocks: int) -> None:
+        """Hash blocks up to ``n_blocks`` (at most :func:`len`) now."""
+        n_blocks = min(n_blocks, len(self))
+        while len(self._keys) < n_blocks:
+            with self._lock:
+                have = len(self._keys)
+                if have >= n_blocks:
+                    return
+                available = self._total // self._tpb
+                upto = min(available, max(n_blocks, have + self.STEP), have + self.MAX_STEP)
+                self._hash(have, upto)
+
+    def extend(self, tokens: Sequence[int]) -> None:
+        """Append ``tokens`` (those after the ones given so far).
+
+        Raises:
+            KeyDerivationError: the chain has per-token extra ids (they cannot be extended).
+        """
+        if not tokens:
+            return
+        if self._inputs.extra is not None:
+            raise KeyDerivationError("extra_ids: a chain with per-token extra ids cannot grow")
+        with self._lock:
+            if self._owned and isinstance(self._tokens, list):
+                self._tokens.extend(tokens)
+            else:  # NOTE: the caller's sequence is never mutated
+                self._tokens, self._owned = [*self._tokens, *tokens], True
+            self._total += len(tokens)
+
+    def _hash(self, have: int, upto: int) -> None:
+        """Caller holds the lock."""
+        tpb, base = self._tpb, self._base
+        chunk = self._tokens[have * tpb - base : upto * tpb - base]
+        parent = self._keys[-1] if self._keys else ROOT_HASH
+        keys = _hash_blocks(_token_bytes(chunk), tpb, parent, have, upto - have, self._inputs)
+        self._keys.extend(keys)
+        if upto == self._total // tpb:  # NOTE: every full block hashed: drop the prompt
+            self._tokens = list(self._tokens[upto * tpb - base :])
+            self._owned, self._base = True, upto * tpb
+
+
+class _View(Sequence[BlockHash]):
+    """Blocks ``start .. stop - 1`` of a :class:`KeyChain`, hashed on demand."""
+
+    def __init__(self, chain: KeyChain, start: int, stop: int) -> None:
+        self._chain, self._start, self._stop = chain, start, stop
+
+    def __len__(self) -> int:
+        return self._stop - self._start
+
+    @overload
+    def __getitem__(self, index: int) -> BlockHash: ...
+
+    @overload
+    def __getitem__(self, index: slice) -> Sequence[BlockHash]: ...
+
+    def __getitem__(self, index: int | slice) -> BlockHash | Sequence[BlockHash]:
+        return _view_item(self._chain, self._start, self._stop, index)
+
+    def __iter__(self) -> Iterator[BlockHash]:
+        return _iterate(self._chain, self._start, self._stop)
+
+
+def _view_item(
+    chain: KeyChain, start: int, stop: int, index: int | slice
+) -> BlockHash | Sequence[BlockHash]:
+    n = stop - start
+    if isinstance(index, slice):
+        lo, hi, step = index.indices(n)
+        if step != 1:
+            return list(_iterate(chain, start, stop))[index]
+        return _View(chain, start + lo, start + max(lo, hi))
+    i = index + n if index < 0 else index
+    if not 0 <= i < n:
+        raise IndexError("KeyChain index out of range")
+    chain.ensure(start + i + 1)
+    return chain._keys[start + i]
+
+
+def _iterate(chain: KeyChain, start: int, stop: int) -> Iterator[BlockHash]:
+    if len(chain._keys) >= stop:  # NOTE: hashed already: a plain list iterator (C speed)
+        return iter(chain._keys[start:stop])
+    return _iterate_lazily(chain, start, stop)
+
+
+def _iterate_lazily(chain: KeyChain, start: int, stop: int) -> Iterator[BlockHash]:
+    """Hash in growing steps as the caller goes: a caller stopping early paid for one step."""
+    i, step = start, KeyChain.STEP
+    while i < stop:
+        end = min(stop, i + step)
+        chain.ensure(end)
+        yield from chain._keys[i:end]
+        i, step = end, min(2 * step, KeyChain.MAX_STEP)
 
 
 def _extra_bytes(extra_ids: Sequence[int] | None, n_tokens: int) -> bytes | None:
@@ -421,6 +675,8 @@ __all__ = [
     "BlockHash",
     "FORMAT_VERSION",
     "HASH_BYTES",
+    "KEY_OVERHEAD",
+    "KeyChain",
     "ModelIdentity",
     "MultimodalItem",
     "ROOT_HASH",

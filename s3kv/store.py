@@ -70,6 +70,10 @@ logger = logging.getLogger(__name__)
 #: First and largest step of :meth:`KVStore.count_maybe` (keys per filter query).
 _MAYBE_STEP = 256
 _MAYBE_MAX_STEP = 4096
+#: Most :meth:`KVStore.prefetch_many` walks queued at once. NOTE: walks pile up only while
+#: the scheduler's thread keeps the GIL through a burst of claims; each holds its request's
+#: keys (and, until hashed, its tokens) alive.
+_MAX_WALKS = 64
 
 _CODECS = {
     "raw": codec.CodecId.RAW,
@@ -207,7 +211,7 @@ class KVStore:
         self._lock = threading.Lock()
         self._save_space = threading.Condition(self._lock)
         self._fetching: dict[BlockHash, threading.Event] = {}
-        self._backlog = 0  # keys handed to prefetch_many, not yet walked
+        self._walks = 0  # prefetch_many tasks queued, not yet started
         self._saving: set[BlockHash] = set()
         self._inflight_save_bytes = 0
         self._closed = False
@@ -418,10 +422,10 @@ class KVStore:
         """
         # NOTE: counted first, pinned second: lazy keys are hashed while counting, so a
         # malformed block raises before any pin is taken, never half-way through pinning.
-        staged = self.staging.count_leading(keys)
-        pinned = self.pin_leading(keys[:staged])
+        staged = list(keys[: self.staging.count_leading(keys)])
+        pinned = self.pin_leading(staged)
         self.prefetch_many(keys[pinned:], maybe_only=True)
-        self.record_hits(keys[:pinned])
+        self.record_hits(staged[:pinned])
         return pinned
 
     def prefetch_maybe(self, keys: Sequence[BlockHash]) -> int:
@@ -521,11 +525,11 @@ class KVStore:
         ``max_prefetch_queue`` outstanding fetches, one GET task per key, in order). ``keys``
         may be lazy (a :class:`~s3kv.keys.KeyChain` view): it is hashed there.
 
-        Bounded: keys accepted but not yet walked count against ``max_prefetch_queue`` too;
-        past it the rest of ``keys`` is dropped and counted in ``prefetch_dropped``. While the
-        store is unhealthy nothing is queued (``prefetch_skipped_unhealthy`` counts every
-        key: they are not filtered then). Nothing becomes claimable before it is staged and
-        verified, as with :meth:`prefetch`.
+        Bounded: the walk keeps ``max_prefetch_queue`` fetches outstanding at most, as
+        :meth:`prefetch` does, and at most 64 walks wait to start; past that ``keys`` is
+        dropped whole (counted in ``prefetch_dropped``). While the store is unhealthy nothing
+        is queued (``prefetch_skipped_unhealthy`` counts every key: they are not filtered
+        then). Nothing becomes claimable before it is staged and verified.
         """
         total = len(keys)
         if not total:
@@ -536,23 +540,23 @@ class KVStore:
         with self._lock:
             if self._closed:
                 return 0
-            accepted = min(total, max(0, self.config.max_prefetch_queue - self._backlog))
-            self._backlog += accepted
-        if accepted < total:
-            self.metrics.inc("prefetch_dropped", total - accepted)
-        if not accepted:
+            full = self._walks >= _MAX_WALKS
+            if not full:
+                self._walks += 1
+        if full:
+            self.metrics.inc("prefetch_dropped", total)
             return 0
-        walk = functools.partial(self._walk, keys[:accepted], accepted, maybe_only)
+        walk = functools.partial(self._walk, keys, maybe_only)
         if not self._pool.submit(Priority.PREFETCH, walk):
             with self._lock:
-                self._backlog -= accepted
+                self._walks -= 1
             return 0
-        return accepted
+        return total
 
-    def _walk(self, keys: Sequence[BlockHash], accepted: int, maybe_only: bool) -> None:
+    def _walk(self, keys: Sequence[BlockHash], maybe_only: bool) -> None:
         """The I/O side of :meth:`prefetch_many`."""
         with self._lock:
-            self._backlog -= accepted
+            self._walks -= 1
         try:
             if maybe_only:
                 keys = keys[: self.count_maybe(keys)]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pickle
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -16,8 +17,9 @@ from s3kv.connector.requests import honoured_tokens
 from s3kv.connector.requests import request_view as view
 from s3kv.connector.scheduler import SchedulerCore
 from s3kv.connector.shared import ShardStores
-from s3kv.keys import ROOT_HASH, ModelIdentity, chain_hashes
-from s3kv.pool import IOPool
+from s3kv.errors import KeyDerivationError
+from s3kv.keys import ROOT_HASH, KeyChain, ModelIdentity, chain_hashes
+from s3kv.pool import IOPool, Priority
 from s3kv.staging import NumpyAllocator
 from s3kv.storage import MemoryBackend
 from s3kv.store import KVStore
@@ -383,3 +385,103 @@ def test_claim_bound_holds_for_every_device_match(computed: int) -> None:
     claimed = core.get_num_new_matched_tokens(view(FakeRequest(1, PROMPT)), computed)
     assert claimed % TPB == 0
     assert claimed <= len(PROMPT) - 1 - computed
+
+
+# --- the scheduler's path for long prompts: keys hashed once, the tail handed over in one step
+
+
+class GatedPool(IOPool):
+    """Holds every task until run, to see what the claim queued."""
+
+    def __init__(self) -> None:
+        super().__init__(0)
+        self.tasks: list[Callable[[], None]] = []
+
+    def submit(self, priority: Priority, task: Callable[[], None]) -> bool:
+        self.tasks.append(task)
+        return True
+
+    def run_all(self) -> None:
+        while self.tasks:
+            self.tasks.pop(0)()
+
+
+@pytest.fixture
+def hashed(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Blocks hashed by every KeyChain, step by step."""
+    steps: list[int] = []
+    original = KeyChain._hash
+
+    def counting(chain: KeyChain, have: int, upto: int) -> None:
+        steps.append(upto - have)
+        original(chain, have, upto)
+
+    monkeypatch.setattr(KeyChain, "_hash", counting)
+    return steps
+
+
+def test_a_request_asked_again_and_its_saves_reuse_its_keys(hashed: list[int]) -> None:
+    core, _ = staged_core(n_blocks=2)
+    request = FakeRequest(1, PROMPT)
+    assert core.get_num_new_matched_tokens(view(request), 0) == 8
+    assert sum(hashed) == 4, "the prompt's 4 blocks, once"
+    # The engine asks again about a request it did not schedule: same answer, no hashing.
+    assert core.get_num_new_matched_tokens(view(request), 0) == 8
+    core.update_state_after_alloc(request.request_id, [10, 11, 12, 13, 14])
+    meta = core.build_connector_meta([first_report(1, PROMPT, [10, 11, 12, 13, 14], 0, 17)], [])
+    assert [op.key for op in meta.saves] == [bytes(k) for k in chain_hashes(PROMPT, TPB)[2:4]]
+    assert sum(hashed) == 4, "the save path used the claim's keys"
+
+
+def test_a_reused_request_id_with_another_prompt_gets_its_own_keys() -> None:
+    core, _ = staged_core(n_blocks=4)
+    other = [t + 1000 for t in PROMPT]
+    assert core.get_num_new_matched_tokens(view(FakeRequest(1, other)), 0) == 0
+    # Same id, no request_finished in between, another prompt of the same length.
+    assert core.get_num_new_matched_tokens(view(FakeRequest(1, PROMPT)), 0) == 16
+
+
+def test_request_keys_are_dropped_at_finish_and_do_not_grow() -> None:
+    core, _ = staged_core(n_blocks=4)
+    for rid in range(200):
+        prompt = [rid * 1000 + t for t in range(64 + 1)]
+        request = FakeRequest(rid, prompt)
+        core.get_num_new_matched_tokens(view(request), 0)
+        core.update_state_after_alloc(rid, list(range(17)))
+        core.build_connector_meta([first_report(rid, prompt, list(range(17)), 0, 65)], [])
+        assert 0 < core.key_cache_bytes < 16 * 100, "one request's keys"
+        core.request_finished(rid)
+        assert core.key_cache_bytes == 0
+    assert core.tracked_requests == 0
+
+
+def test_long_prompt_claim_hashes_one_step_and_queues_one_task(hashed: list[int]) -> None:
+    # Defect (issue 12, item 11): a 128K-token prompt cost ~110 ms on the scheduler's path,
+    # mostly queueing one prefetch per Bloom-positive block, under the block manager's lock.
+    pool = GatedPool()
+    config = S3KVConfig.load(environ={}, bucket="bkt", manifest_refresh_interval=0)
+    store = KVStore.open(config, identity(), backend=MemoryBackend(), allocator=NumpyAllocator(),
+                         pool=pool, start_background=False)  # fmt: skip
+    prompt = list(range(4 * 1000 + 1))
+    keys = chain_hashes(prompt, TPB)
+    parent = ROOT_HASH
+    for key in keys:  # the filter says "maybe" for every block; nothing is staged
+        store.manifest.record_write(key, parent, 1)
+        parent = key
+    core = core_for(store)
+    assert core.get_num_new_matched_tokens(view(FakeRequest(1, prompt)), 0) == 0
+    assert sum(hashed) <= KeyChain.STEP, "hashed as far as the claim needs, not 1000 blocks"
+    assert len(pool.tasks) == 1, "the tail went to the I/O side in one step"
+    pool.run_all()  # there: the rest is hashed, filtered, and every block fetched (misses)
+    assert sum(hashed) == 1000
+    assert store.metrics.value("prefetch_scheduled") == 1000
+    assert store.metrics.value("prefetch_not_found") == 1000
+
+
+def test_a_malformed_prompt_raises_before_any_pin() -> None:
+    # Keys are hashed while the claim counts the staged run, before it pins anything.
+    core, store = staged_core(n_blocks=4)
+    prompt = [*PROMPT[:12], -1, *PROMPT[13:]]  # blocks 0..2 staged, block 3 malformed
+    with pytest.raises(KeyDerivationError, match="tokens"):
+        core.get_num_new_matched_tokens(view(FakeRequest(1, prompt)), 0)
+    assert store.staging.remove(chain_hashes(PROMPT, TPB)[0]), "nothing was left pinned"

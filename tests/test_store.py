@@ -2,15 +2,17 @@
 
 from __future__ import annotations
 
+import logging
 import threading
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 
 import numpy as np
 import pytest
 
 from s3kv.config import S3KVConfig
 from s3kv.errors import EndpointError
-from s3kv.keys import ROOT_HASH, BlockHash, ModelIdentity, chain_hashes
+from s3kv.keys import ROOT_HASH, BlockHash, KeyChain, ModelIdentity, chain_hashes
 from s3kv.pool import IOPool
 from s3kv.staging import NumpyAllocator
 from s3kv.storage import MemoryBackend
@@ -245,9 +247,9 @@ class FlakyBackend(MemoryBackend):
         if self.broken:
             raise EndpointError("connection refused (test)")
 
-    def get(self, key: str) -> bytes | None:
+    def get(self, key: str, *, max_bytes: int | None = None) -> bytes | None:
         self._check()
-        return super().get(key)
+        return super().get(key, max_bytes=max_bytes)
 
     def put(self, key: str, data: bytes | memoryview, *, if_absent: bool = False) -> bool:
         self._check()
@@ -369,3 +371,134 @@ def test_breaker_opens_then_recovers(chain: list[BlockHash]) -> None:
     assert not store.healthy
     assert breaker.state is BreakerState.CLOSED
     assert store.healthy
+
+
+# --- prefetch_many: the scheduler's tail, handed to the I/O side in one step ---
+
+
+def test_prefetch_many_hands_the_keys_over_in_one_step(
+    backend: MemoryBackend, chain: list[BlockHash]
+) -> None:
+    save_chain(open_store(backend), chain, blocks(10))
+    pool = GatedPool()
+    store = KVStore.open(
+        config(), identity(), backend=backend, allocator=NumpyAllocator(), pool=pool,
+        start_background=False,
+    )  # fmt: skip
+    requests = store.backend.requests()
+    assert store.prefetch_many(chain) == 10
+    # One task queued and nothing else done on the caller's thread: no GET, no admission.
+    assert len(pool.tasks) == 1
+    assert store.backend.requests() == requests
+    assert store.metrics.value("prefetch_scheduled") == 0
+    pool.run_all()  # the walk, then the fetches it queued
+    assert store.lookup(chain).staged == 10
+    assert store.metrics.value("prefetch_scheduled") == 10
+
+
+def test_prefetch_many_stages_every_key_on_real_threads(
+    backend: MemoryBackend, chain: list[BlockHash]
+) -> None:
+    save_chain(open_store(backend), chain, blocks(10))
+    store = open_store(backend, threads=2)
+    try:
+        assert store.prefetch_many(chain, maybe_only=True) == 10
+        assert wait_until(lambda: store.lookup(chain).staged == 10), "all keys staged"
+    finally:
+        store.close()
+
+
+def test_prefetch_many_maybe_only_stops_at_the_first_unknown_block(
+    backend: MemoryBackend, chain: list[BlockHash]
+) -> None:
+    save_chain(open_store(backend), chain[:3], blocks(3))
+    store = open_store(backend)
+    store.prefetch_many(chain, maybe_only=True)  # inline pool: walked at once
+    assert store.metrics.value("prefetch_scheduled") == 3
+    assert store.lookup(chain).staged == 3
+
+
+def test_prefetch_many_is_bounded_by_the_prefetch_queue(
+    backend: MemoryBackend, chain: list[BlockHash]
+) -> None:
+    save_chain(open_store(backend), chain, blocks(10))
+    pool = GatedPool()
+    store = KVStore.open(
+        config(max_prefetch_queue=4), identity(), backend=backend,
+        allocator=NumpyAllocator(), pool=pool, start_background=False,
+    )  # fmt: skip
+    assert store.prefetch_many(chain) == 10
+    pool.tasks.pop(0)()  # the walk: at most 4 fetches outstanding, as prefetch()
+    assert len(pool.tasks) == 4
+    assert store.metrics.value("prefetch_dropped") == 6
+    pool.run_all()
+    assert store.lookup(chain).staged == 4
+
+
+def test_prefetch_many_bounds_the_walks_waiting_to_start(chain: list[BlockHash]) -> None:
+    pool = GatedPool()
+    store = KVStore.open(
+        config(), identity(), backend=MemoryBackend(), allocator=NumpyAllocator(), pool=pool,
+        start_background=False,
+    )  # fmt: skip
+    accepted = [store.prefetch_many(chain) for _ in range(100)]
+    assert accepted.count(10) == len(pool.tasks) < 100
+    assert store.metrics.value("prefetch_dropped") == 10 * accepted.count(0)
+    pool.run_all()  # walks started: room again
+    assert store.prefetch_many(chain) == 10
+
+
+def test_claim_hashes_a_lazy_chain_only_as_far_as_it_must(backend: MemoryBackend) -> None:
+    tokens = list(range(4 * 1000))
+    keys = chain_hashes(tokens, 4)
+    save_chain(open_store(backend), keys[:3], blocks(3))
+    pool = GatedPool()
+    store = KVStore.open(
+        config(), identity(), backend=backend, allocator=NumpyAllocator(), pool=pool,
+        start_background=False,
+    )  # fmt: skip
+    lazy = KeyChain(tokens, 4)
+    assert store.claim(lazy) == 0
+    assert lazy.hashed <= KeyChain.STEP, "the claim hashed one step, not 1000 blocks"
+    assert len(pool.tasks) == 1
+    pool.run_all()  # the I/O side hashes as far as the manifest says "maybe", and fetches
+    assert lazy.hashed < 1000
+    assert store.lookup(keys).staged == 3
+    assert store.claim(KeyChain(tokens, 4)) == 3
+
+
+def wait_until(condition: Callable[[], bool], timeout: float = 10.0) -> bool:
+    tick = threading.Event()
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        tick.wait(0.01)
+    return True
+
+
+def test_prefetch_many_queues_nothing_while_unhealthy(chain: list[BlockHash]) -> None:
+    pool = GatedPool()
+    store = KVStore.open(
+        config(), identity(), backend=MemoryBackend(), allocator=NumpyAllocator(), pool=pool,
+        start_background=False,
+    )  # fmt: skip
+    assert store.backend.breaker is not None
+    for _ in range(store.config.breaker_failures):
+        store.backend.breaker.record_failure()
+    assert store.prefetch_many(chain, maybe_only=True) == 0
+    assert pool.tasks == []
+    assert store.metrics.value("prefetch_skipped_unhealthy") == 10
+
+
+def test_prefetch_many_stops_quietly_at_a_malformed_token(
+    backend: MemoryBackend, caplog: pytest.LogCaptureFixture
+) -> None:
+    tokens = list(range(4 * 100))
+    tokens[4 * 80] = -1  # block 80 has no key; blocks 0..63 (one hashing step) do
+    store = open_store(backend)
+    with caplog.at_level(logging.DEBUG, logger="s3kv"):
+        assert store.prefetch_many(KeyChain(tokens, 4)) == 100
+    assert store.metrics.value("prefetch_scheduled") == KeyChain.STEP
+    assert "prefetch stopped" in caplog.text
+    assert "background task failed" not in caplog.text

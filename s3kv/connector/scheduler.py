@@ -7,6 +7,11 @@ Contracts (DESIGN.md invariants 1-3):
   the device match ends inside a block, and never more than
   ``prompt_len - 1 - num_computed_tokens``. It answers from memory; the Bloom-positive tail
   behind the claim is prefetched in the background for later requests.
+* Its cost does not grow with the prompt beyond the blocks it must hash (the device match and
+  the staged run): a request's keys are a :class:`~s3kv.keys.KeyChain` hashed on demand and
+  kept until ``request_finished`` (the engine asks again for a request it did not schedule;
+  the save path reuses them), and the tail goes to the I/O side in one step, which hashes
+  and filters it there (:meth:`KVStore.prefetch_many <s3kv.store.KVStore.prefetch_many>`).
 * Metadata carries only new work: loads for this iteration's claims and saves for blocks
   that become full in this iteration's forward pass (prompt blocks always, decode blocks if
   ``save_decode_blocks``), skipping blocks the bucket already has.
@@ -38,7 +43,7 @@ from s3kv.connector.completion import CompletionBoard
 from s3kv.connector.metadata import EMPTY, ConnectorMetadata, LoadOp, SaveOp
 from s3kv.connector.requests import RequestView, StepReport
 from s3kv.connector.shared import ShardStores
-from s3kv.keys import ROOT_HASH, BlockHash, chain_hashes
+from s3kv.keys import ROOT_HASH, BlockHash, KeyChain
 
 logger = logging.getLogger(__name__)
 
@@ -50,7 +55,8 @@ class _Request:
     request_id: int
     prompt_len: int
     key_inputs: dict[str, Any] | None  # None: the key inputs are not all visible; no caching
-    keys: list[BlockHash]
+    keys: KeyChain  # the prompt's, then (saves) the request's tokens' keys, hashed on demand
+    sample: tuple[int, ...] = ()  # a few prompt tokens: a re-asked request is the same one
     tokens: list[int] = field(default_factory=list)
     block_ids: list[int] = field(default_factory=list)
     claim_start: int = 0  # first claimed block index
@@ -119,11 +125,16 @@ class SchedulerCore:
             self._release_unplanned(previous)
         args = request.key_inputs
         if args is None:
-            self._requests[rid] = _Request(rid, prompt_len, None, [], last_seen=self._step)
+            empty = KeyChain((), tpb)
+            self._requests[rid] = _Request(rid, prompt_len, None, empty, last_seen=self._step)
             self._metric("connector_uncacheable_requests")
             return 0
-        keys = chain_hashes(request.prompt, tpb, **args)
-        state = _Request(rid, prompt_len, args, keys, last_seen=self._step)
+        sample = _sample(request.prompt)
+        if previous is not None and (previous.key_inputs, previous.sample) == (args, sample):
+            keys = previous.keys  # NOTE: a request's prompt is fixed: its keys are too
+        else:
+            keys = KeyChain(request.prompt, tpb, **args)
+        state = _Request(rid, prompt_len, args, keys, sample, last_seen=self._step)
         self._requests[rid] = state
         shards = self.shards
         if shards is None or not shards.healthy:
@@ -132,14 +143,14 @@ class SchedulerCore:
             return 0  # the device match ends inside a block: whole blocks only
         start = num_computed_tokens // tpb
         max_blocks = max(0, (prompt_len - 1 - num_computed_tokens) // tpb)
-        candidates = keys[start : start + max_blocks]
+        candidates = keys[start : start + max_blocks]  # lazy: hashed as far as needed
         claimed = shards.claim(candidates)
         shards.metrics.inc("connector_requests")
         shards.metrics.inc("connector_claimed_tokens", claimed * tpb)
         shards.metrics.inc("connector_prompt_tokens", prompt_len)
         if claimed:
             state.claim_start = start
-            state.claimed = candidates[:claimed]
+            state.claimed = list(candidates[:claimed])
             state.connector_tokens = claimed * tpb
         return state.connector_tokens
 
@@ -266,8 +277,8 @@ class SchedulerCore:
         if not self.config.save_decode_blocks:
             limit = min(limit, state.prompt_len // tpb)
         limit = min(limit, len(state.block_ids), len(state.tokens) // tpb)
-        if limit > len(state.keys):
-            state.keys = chain_hashes(state.tokens, tpb, **state.key_inputs)
+        if limit > len(state.keys):  # decode blocks: the chain goes on from its last key
+            state.keys.extend(state.tokens[state.keys.num_tokens :])
         loaded = range(state.claim_start, state.claim_start + len(state.claimed))
         ops = []
         for b in range(state.saved_blocks, limit):
@@ -337,6 +348,29 @@ class SchedulerCore:
     def tracked_requests(self) -> int:
         """Requests between their claim and ``request_finished`` (or being forgotten)."""
         return len(self._requests)
+
+    @property
+    def key_cache_bytes(self) -> int:
+        """Approximate memory of the tracked requests' keys (dropped with the requests)."""
+        return sum(state.keys.nbytes for state in self._requests.values())
+
+
+#: Prompt tokens compared (besides the length) to recognise a request asked about again.
+_SAMPLE_TOKENS = 64
+
+
+def _sample(prompt: Sequence[int]) -> tuple[int, ...]:
+    """The prompt's length and a few of its tokens, evenly spaced, first and last included.
+
+    A guard, not the identity: TensorRT-LLM's request ids are unique for the executor's
+    life and a request's prompt never changes, so a request asked about again has the same
+    prompt. This catches a caller reusing an id for another prompt (one without
+    ``request_finished``) at constant cost instead of comparing the whole prompt.
+    """
+    n = len(prompt)
+    if not n:
+        return (0,)
+    return (n, prompt[-1], *prompt[:: max(1, n // _SAMPLE_TOKENS)])
 
 
 __all__ = [
