@@ -151,15 +151,18 @@ class StagingCache:
         under one lock, so every counted block is guaranteed to stay readable.
         """
         with self._lock:
-            count = 0
+            # NOTE: found first, pinned after: ``keys`` may be hashed lazily and raise midway
+            # (a malformed token), which must leave no pin behind.
+            found: list[tuple[BlockHash, _Entry]] = []
             for key in keys:
                 entry = self._entries.get(key)
                 if entry is None:
                     break
+                found.append((key, entry))
+            for key, entry in found:
                 entry.pins += 1
                 self._entries.move_to_end(key)
-                count += 1
-            return count
+            return len(found)
 
     def unpin(self, keys: Sequence[BlockHash]) -> None:
         """Release one pin on each of ``keys`` (unknown keys are ignored)."""

@@ -502,3 +502,36 @@ def test_prefetch_many_stops_quietly_at_a_malformed_token(
     assert store.metrics.value("prefetch_scheduled") == KeyChain.STEP
     assert "prefetch stopped" in caplog.text
     assert "background task failed" not in caplog.text
+
+
+def test_a_shard_claim_that_fails_midway_leaves_no_pin(backend: MemoryBackend) -> None:
+    from s3kv.connector.shared import ShardStores
+
+    tokens = list(range(40))
+    good = chain_hashes(tokens, 4)
+    stores = [open_store(backend), open_store(MemoryBackend())]
+    save_chain(stores[0], good, blocks(len(good)))
+    save_chain(stores[1], good, blocks(len(good), seed=1))
+    for store in stores:
+        store.prefetch(good)
+        assert store.wait_staged(good, timeout=10) == len(good)
+
+    class Faulty(list[BlockHash]):
+        """Keys whose hashing fails on the second shard's walk (a lazily hashed chain)."""
+
+        calls = 0
+
+        def __getitem__(self, index: object) -> object:
+            if isinstance(index, int) and index == 5:
+                Faulty.calls += 1
+                if Faulty.calls > 1:
+                    raise ValueError("malformed token")
+            return super().__getitem__(index)  # type: ignore[index]
+
+        def __iter__(self):  # type: ignore[no-untyped-def]
+            return (self[i] for i in range(len(self)))
+
+    with pytest.raises(ValueError, match="malformed"):
+        ShardStores(stores).claim(Faulty(good))
+    for store in stores:
+        assert all(entry.pins == 0 for entry in store.staging._entries.values())

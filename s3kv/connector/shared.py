@@ -341,7 +341,16 @@ class ShardStores:
         """
         if len(self.stores) == 1:
             return self.stores[0].claim(keys)
-        counts = [store.pin_leading(keys) for store in self.stores]
+        counts: list[int] = []
+        try:
+            for store in self.stores:
+                counts.append(store.pin_leading(keys))
+        except Exception:
+            # NOTE: keys are hashed lazily; a malformed token raises on some shard after
+            # others pinned: release theirs, so a failed claim leaves no pin behind.
+            for store, count in zip(self.stores, counts, strict=False):
+                store.unpin(keys[:count])
+            raise
         claim = min(counts)
         for store, count in zip(self.stores, counts, strict=True):
             store.unpin(keys[claim:count])
