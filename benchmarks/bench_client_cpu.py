@@ -18,11 +18,14 @@ counted), on the same real SmolLM2 bf16 KV blocks as bench_s3.py (64 tokens, 1.4
   request rate that takes with these blocks and ``request_cores`` the part of the cores that
   the per-request cost (4 KiB figure) alone explains.
 
-Each row names its ``client``: ``boto3`` (s3kv's S3Backend) or ``awscrt`` (``CrtBlocks``
-below: the same backend with block GET/PUT through awscrt's S3 client, the one LMCache uses;
-everything else stays on boto3). awscrt rows appear when ``awscrt`` imports. Loopback TCP
-charges the kernel's copies to this process much as a NIC's socket path would; the figures
-are the best of ``--passes``, because another process on the machine only ever adds to them.
+Each row names its ``client``: s3kv's S3Backend with ``s3_client`` = ``boto3`` (every request
+through boto3) or ``crt`` (object GET/PUT through awscrt's S3 client, the one LMCache uses:
+:mod:`s3kv.storage.crt`; list, HEAD and deletes stay on boto3), both opened by
+``open_backend`` as the store opens its own. awscrt rows appear when ``awscrt`` imports.
+``client.store_path_client`` names the client the default settings (``s3_client=auto``) pick
+for the store path. Loopback TCP charges the kernel's copies to this process much as a NIC's
+socket path would; the figures are the best of ``--passes``, because another process on the
+machine only ever adds to them.
 
 Usage: ``python benchmarks/bench_client_cpu.py [--quick] [--threads N]``.
 """
@@ -31,13 +34,11 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import io
 import json
 import os
 import sys
 import tempfile
 import time
-import urllib.parse
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -48,10 +49,9 @@ import numpy.typing as npt
 from bench_s3 import identity
 
 from s3kv.config import S3KVConfig
-from s3kv.errors import ObjectTooLargeError, StorageError
 from s3kv.keys import ROOT_HASH, BlockHash, hash_block
 from s3kv.staging import NumpyAllocator
-from s3kv.storage import Backend, DelegatingBackend, open_backend
+from s3kv.storage import Backend, open_backend
 from s3kv.store import KVStore
 from s3kv.testing.local_s3 import LocalS3
 from s3kv.testing.smollm2 import kv_blocks
@@ -64,88 +64,6 @@ TOKENS_PER_BLOCK = 64
 def emit(metric: str, value: float, unit: str, **extra: Any) -> None:
     print(json.dumps({"metric": metric, "value": round(value, 4), "unit": unit, **extra}))
     sys.stdout.flush()
-
-
-class CrtBlocks(DelegatingBackend):
-    """``inner`` (boto3) with ``get``/``put`` through awscrt's S3 client; a benchmark aid.
-
-    Same request shape as s3kv's boto3 settings: SigV4 with an unsigned payload, no CRC
-    checksums (s3kv verifies its own), path-style addressing, one part per block (8 MiB part
-    size). A call blocks its thread until awscrt's event loop finishes the request, as the
-    store's I/O pool expects. Not found is ``None``; a 412 on a conditional PUT is ``False``.
-    """
-
-    def __init__(self, inner: Backend, *, endpoint: str, bucket: str, access: str,
-                 secret: str, region: str = "us-east-1") -> None:  # fmt: skip
-        from awscrt import auth, s3  # type: ignore[import-untyped]
-        from awscrt import io as crtio
-
-        super().__init__(inner)
-        self._s3 = s3
-        url = urllib.parse.urlsplit(endpoint)
-        self._host, self._bucket = url.netloc, bucket
-        loops = crtio.EventLoopGroup(os.cpu_count() or 1)
-        bootstrap = crtio.ClientBootstrap(loops, crtio.DefaultHostResolver(loops))
-        creds = auth.AwsCredentialsProvider.new_static(access, secret)
-        signing = s3.create_default_s3_signing_config(region=region, credential_provider=creds)
-        self._client = s3.S3Client(
-            bootstrap=bootstrap,
-            region=region,
-            tls_mode=s3.S3RequestTlsMode.DISABLED
-            if url.scheme == "http"
-            else s3.S3RequestTlsMode.ENABLED,
-            signing_config=signing,
-            part_size=8 * 1024 * 1024,
-            throughput_target_gbps=100.0,
-        )
-
-    def _path(self, key: str) -> str:
-        return f"/{self._bucket}/{urllib.parse.quote(key, safe='/~')}"
-
-    def get(self, key: str, *, max_bytes: int | None = None) -> bytes | None:
-        from awscrt import http
-
-        chunks: list[bytes] = []
-
-        def on_headers(status_code: int, headers: list[tuple[str, str]], **_: Any) -> None:
-            length = next((int(v) for k, v in headers if k.lower() == "content-length"), 0)
-            if status_code < 300 and max_bytes is not None and length > max_bytes:
-                raise ObjectTooLargeError(f"GET {key}: {length} bytes > max_bytes {max_bytes}")
-
-        request = http.HttpRequest("GET", self._path(key), http.HttpHeaders([("Host", self._host)]))
-        done = self._client.make_request(
-            type=self._s3.S3RequestType.GET_OBJECT,
-            request=request,
-            on_headers=on_headers,
-            on_body=lambda chunk, offset, **_: chunks.append(bytes(chunk)),
-        )
-        try:
-            done.finished_future.result()
-        except self._s3.S3ResponseError as exc:
-            if exc.status_code == 404:
-                return None
-            raise StorageError(f"awscrt GET {key}: HTTP {exc.status_code}") from exc
-        return chunks[0] if len(chunks) == 1 else b"".join(chunks)
-
-    def put(self, key: str, data: bytes | memoryview, *, if_absent: bool = False) -> bool:
-        from awscrt import http
-
-        headers = [("Host", self._host), ("Content-Length", str(len(data))),
-                   ("Content-Type", "application/octet-stream")]  # fmt: skip
-        conditional = if_absent and self.capabilities.conditional_put
-        if conditional:
-            headers.append(("If-None-Match", "*"))
-        request = http.HttpRequest(
-            "PUT", self._path(key), http.HttpHeaders(headers), io.BytesIO(data)
-        )
-        done = self._client.make_request(type=self._s3.S3RequestType.PUT_OBJECT, request=request)
-        try:
-            done.finished_future.result()
-        except self._s3.S3ResponseError as exc:
-            if conditional and exc.status_code in (409, 412):
-                return False
-            raise StorageError(f"awscrt PUT {key}: HTTP {exc.status_code}") from exc
-        return True
 
 
 @dataclass(frozen=True)
@@ -285,14 +203,13 @@ def main() -> None:
             os.environ.update(server.env())
             cfg = S3KVConfig.load(io_threads=args.threads, staging_bytes=2 * raw_bytes,
                                   max_inflight_save_bytes=2 * raw_bytes)  # fmt: skip
-            boto = open_backend(cfg)
-            clients: dict[str, Backend] = {"boto3": boto}
+            # NOTE: what the store opens with the default settings (s3_client=auto).
+            default = open_backend(cfg)
+            picked = str(getattr(default, "transport", type(default).__name__))
+            default.close()
+            clients: dict[str, Backend] = {"boto3": open_backend(cfg.replace(s3_client="boto3"))}
             if crt_version is not None:
-                env = server.env()
-                clients["awscrt"] = CrtBlocks(
-                    boto, endpoint=server.endpoint, bucket=server.bucket,
-                    access=env["AWS_ACCESS_KEY_ID"], secret=env["AWS_SECRET_ACCESS_KEY"],
-                )  # fmt: skip
+                clients["awscrt"] = open_backend(cfg.replace(s3_client="crt"))
             paths = {name: Paths(cfg, b, name, blocks, args.threads) for name, b in clients.items()}
             best: dict[tuple[str, str], Cost] = {}
 
@@ -310,12 +227,15 @@ def main() -> None:
                     keep(name, "raw_get", p.raw_get())
                     keep(name, "small_put", p.small_put(small_count))
                     keep(name, "small_get", p.small_get(small_count))
-            boto.close()
+            for backend in clients.values():
+                backend.close()
         finally:
             server.stop(grace=2.0)
 
     common = {"threads": args.threads, "passes": passes, "link": "loopback",
               "awscrt": crt_version}  # fmt: skip
+    emit("client.store_path_client", 1, "picked", client=picked, s3_client=cfg.s3_client,
+         **common)  # fmt: skip
     for client in clients:
         extra = {"client": client, **common}
         per_request = {}

@@ -6,7 +6,8 @@
   CLI or the connector; the connector never imports the CLI or ops.
 * Users of a subpackage import its front (``s3kv.storage``, ``s3kv.manifest``), not its parts.
 * One boto3/botocore importer per AWS service (``s3kv/storage/s3.py``, and
-  ``s3kv/storage/kms.py`` for KMS-held block keys); one tensorrt_llm importer
+  ``s3kv/storage/kms.py`` for KMS-held block keys); one awscrt importer
+  (``s3kv/storage/crt.py``, object GET/PUT); one tensorrt_llm importer
   (``s3kv/connector/api.py``).
 * The product never imports its test harness (``s3kv.testing``: the emulator, the local S3
   server, the SmolLM2 loader, the backend contract suite), with one exception: the
@@ -119,6 +120,7 @@ def test_users_import_the_front_not_the_parts(front: str) -> None:
     ("library", "allowed"),
     [("boto3", ["s3kv.storage.kms", "s3kv.storage.s3"]),
      ("botocore", ["s3kv.storage.kms", "s3kv.storage.s3"]),
+     ("awscrt", ["s3kv.storage.crt"]),
      ("tensorrt_llm", ["s3kv.connector.api"])],
 )  # fmt: skip
 def test_one_importer_per_foreign_engine(library: str, allowed: list[str]) -> None:

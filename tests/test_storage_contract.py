@@ -1,7 +1,9 @@
 """The Backend contract, run against every backend (memory, file, moto, SeaweedFS).
 
 The tests themselves ship as :class:`s3kv.testing.storage.BackendTests`, for anyone writing
-a backend; the ``backend`` fixture (tests/conftest.py) supplies each of s3kv's in turn.
+a backend; the ``backend`` fixture (tests/conftest.py) supplies each of s3kv's in turn, and
+:class:`TestCrtBackendContract` runs it all again on moto and SeaweedFS with object GET/PUT
+through awscrt (``s3_client="crt"``).
 ``get(max_bytes=...)`` and ``ObjectInfo.etag`` are checked here, through every backend and
 through the wrappers (:class:`~s3kv.storage.InstrumentedBackend`).
 """
@@ -9,8 +11,10 @@ through the wrappers (:class:`~s3kv.storage.InstrumentedBackend`).
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 
 import pytest
+from conftest import s3_config, unique_bucket
 
 from s3kv.errors import ObjectTooLargeError
 from s3kv.metrics import Metrics
@@ -91,6 +95,43 @@ class TestBackendContract(BackendTests):
         assert changed.etag != first.etag
         (listed,) = backend.list("kv/fp0/blocks/")
         assert listed.etag == changed.etag
+
+
+@pytest.fixture(params=["moto-crt", pytest.param("seaweedfs-crt", marks=pytest.mark.seaweedfs)])
+def crt_backend(request: pytest.FixtureRequest, aws_env: None) -> Iterator[Backend]:
+    """An S3Backend on a fresh moto or SeaweedFS bucket, object GET/PUT through awscrt."""
+    from s3kv.storage import S3Backend, ensure_bucket, make_client
+
+    if request.param == "seaweedfs-crt":
+        server = request.getfixturevalue("seaweedfs")
+        endpoint, keys = server.endpoint, (server.access_key, server.secret_key)
+    else:
+        endpoint, keys = request.getfixturevalue("moto_server"), (None, None)
+    cfg = s3_config(endpoint, unique_bucket(), s3_client="crt")
+    client = make_client(cfg, access_key=keys[0], secret_key=keys[1])
+    ensure_bucket(client, cfg.bucket)
+    backend = S3Backend.from_config(cfg, client=client)
+    assert backend.transport == "awscrt"
+    try:
+        yield backend
+    finally:
+        # moto keeps a bucket's objects for the session; SeaweedFS drops them with it.
+        backend.delete_many([info.key for info in backend.list("")])
+        client.delete_bucket(Bucket=cfg.bucket)
+        backend.close()
+
+
+class TestCrtBackendContract(TestBackendContract):
+    """The same contract with object GET/PUT through awscrt (list, head, delete: boto3)."""
+
+    @pytest.fixture
+    def backend(self, crt_backend: Backend) -> Backend:
+        return crt_backend
+
+    @pytest.fixture
+    def backend_quirks(self, request: pytest.FixtureRequest) -> frozenset[Quirk]:
+        seaweedfs = request.node.callspec.params["crt_backend"] == "seaweedfs-crt"
+        return SEAWEEDFS_QUIRKS if seaweedfs else frozenset()
 
 
 # --- the S3 backend's bound without a Content-Length ------------------------------------

@@ -269,7 +269,7 @@ class TestBatching:
 class TestErrorsFromServers:
     def test_missing_bucket(self, moto_server: str, aws_env: None) -> None:
         bucket = unique_bucket()
-        cfg = s3_config(moto_server, bucket, conditional_put="off")
+        cfg = s3_config(moto_server, bucket, conditional_put="off", s3_client="boto3")
         backend = S3Backend.from_config(cfg)
         with pytest.raises(BucketNotFoundError) as info:
             backend.check()

@@ -61,6 +61,13 @@ def new(
     Append it to the key file that auth_keys names (chmod 600). The first line of that file
     seals new blocks; every line opens blocks. To rotate, put the new line first and remove
     the old one once its blocks are rewritten or pruned.
+
+    Examples:
+
+    ```
+    (umask 077; s3kv keys new 2026-11 > /etc/s3kv/keys)
+    s3kv keys new 2026-11 --kms-key arn:aws:kms:us-east-1:111122223333:key/1234 >> data-keys
+    ```
     """
     try:
         line = new_key_line(key_id)

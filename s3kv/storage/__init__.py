@@ -9,6 +9,8 @@ Parts (users import this front, never the parts):
 * ``file`` — :class:`FileBackend`, a directory as the bucket (``endpoint_url = file:///path``).
 * ``s3`` — :class:`S3Backend` over boto3, and :func:`translate_error`, the one place foreign
   errors become the :class:`~s3kv.errors.StorageError` tree. The only boto3 importer in s3kv.
+* ``crt`` — object GET/PUT through awscrt for :class:`S3Backend` (``s3_client``; the ``crt``
+  extra); the only awscrt importer, loaded by ``s3`` when used.
 * ``instrumented`` — :class:`InstrumentedBackend`: request metrics and the circuit breaker.
 * ``breaker`` — :class:`CircuitBreaker`, which turns an outage into immediate refusals.
 * ``kms`` — :func:`kms_decrypt` and :func:`kms_generate`, AWS KMS for block keys
@@ -37,6 +39,7 @@ from s3kv.storage.instrumented import InstrumentedBackend
 from s3kv.storage.memory import MemoryBackend
 
 if TYPE_CHECKING:
+    from s3kv.storage.kms import kms_decrypt, kms_generate
     from s3kv.storage.s3 import (
         FOREIGN_ERRORS,
         S3Backend,
@@ -45,7 +48,6 @@ if TYPE_CHECKING:
         probe_conditional_put,
         translate_error,
     )
-    from s3kv.storage.kms import kms_decrypt, kms_generate
 
 #: Names served from ``s3kv.storage.s3`` on first use (importing boto3 then).
 _S3_NAMES = frozenset(
@@ -53,8 +55,8 @@ _S3_NAMES = frozenset(
         "FOREIGN_ERRORS",
         "S3Backend",
         "ensure_bucket",
-    "kms_decrypt",
-    "kms_generate",
+        "kms_decrypt",
+        "kms_generate",
         "make_client",
         "probe_conditional_put",
         "translate_error",

@@ -2,7 +2,8 @@
 
 ``endpoint_url = "file:///path"`` names a directory (:class:`~s3kv.storage.file.FileBackend`);
 anything else is S3. The S3 module, and with it boto3, is imported only here and only when an
-S3 backend is asked for, so ``import s3kv.storage`` stays free of boto3.
+S3 backend is asked for, so ``import s3kv.storage`` stays free of boto3; that backend carries
+object GET/PUT through awscrt where installed (``s3_client``, :mod:`s3kv.storage.crt`).
 """
 
 from __future__ import annotations
