@@ -15,8 +15,12 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 SCRIPTS = [
     "bench_codec.py",
+    "bench_codec_threads.py",
     "bench_manifest.py",
+    "bench_scheduler.py",
     "bench_s3.py",
+    "bench_wan.py",  # root only (network namespaces); prints wan.skipped otherwise
+    "bench_client_cpu.py",
     "bench_fleet.py",
     "bench_prune.py",
 ]
