@@ -362,3 +362,31 @@ def test_random_weights_build_and_run_with_the_smollm2_config() -> None:
         runs.append(built.forward_logits([item], built.new_pool(3))[0])
     assert torch.equal(runs[0], runs[1])
     assert not torch.equal(runs[0], runs[2])
+
+
+def test_the_cuda_formulation_computes_the_reference_function() -> None:
+    """CUDA's fused path (lower-right causal bias, fused RMS statistics) on the CPU.
+
+    On a half-precision CUDA model the emulator attends through flash attention with a
+    lower-right causal bias instead of an explicit mask, and normalises with one fused RMS
+    kernel. Forced on a CPU model in float32, that formulation must give the reference's
+    logits and pool contents to float32 rounding, for a cold prefill, a chunk after it and a
+    decode step (the three shapes of query rows the engine runs).
+    """
+    small = smollm2_config(num_hidden_layers=2, vocab_size=1024)
+    model = PagedLlama.random(small, seed=3, tokens_per_block=TPB)
+    tokens = [(7 * i + 3) % 1024 for i in range(3 * TPB + 5)]
+    blocks = [4, 1, 6, 2]
+    runs = []
+    for fused in (False, True):
+        object.__setattr__(model, "_flash", fused)  # NOTE: what a bf16 CUDA model sets
+        pool = model.new_pool(8)
+        steps = [(0, 2 * TPB), (2 * TPB, len(tokens) - 1), (len(tokens) - 1, len(tokens))]
+        logits = [
+            model.forward_logits([ForwardItem(tokens, blocks, start, end)], pool)[0]
+            for start, end in steps
+        ]
+        runs.append((logits, pool))
+    for reference, fused in zip(runs[0][0], runs[1][0], strict=True):
+        torch.testing.assert_close(fused, reference, atol=1e-4, rtol=0.0)
+    torch.testing.assert_close(runs[1][1].float(), runs[0][1].float(), atol=2e-2, rtol=0.0)

@@ -14,8 +14,10 @@ completes with them. Three engines, chosen from the pool tensor and the stream T
 passes in:
 
 * :class:`CudaCopyEngine` — a CUDA pool: ``non_blocking`` copies from page-locked host memory
-  on the given stream, device→host copies on a side stream that waits for the forward-pass
-  event, ``torch.cuda.Event`` completions.
+  on a load stream ordered after the engine's stream, one ``torch.cuda.Event`` per layer group
+  that the forward's stream waits on (:meth:`CopyEngine.wait`, device-side); device→host
+  copies on a side stream that waits for the forward-pass event. All of a batch's copies are
+  issued in one call (``torch._foreach_copy_``), not one Python call per block.
 * :class:`DeferredCopyEngine` — any stream that implements :class:`DeferredStream`: work is
   enqueued as closures that run later, in order, as on a device. s3kv's emulated runtime
   supplies one on the CPU (a device that runs late), so the load/recycle race is tested
@@ -25,7 +27,7 @@ passes in:
 
 from __future__ import annotations
 
-import contextlib
+import itertools
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol, runtime_checkable
 
@@ -81,8 +83,7 @@ class _Never:
 DONE: StreamEvent = _Done()
 NEVER: StreamEvent = _Never()
 
-#: (destination, source) pairs of torch tensors / numpy host arrays.
-LoadPair = tuple[Any, np.ndarray]
+#: (destination, source) pairs of torch tensors for device→host saves.
 SavePair = tuple[Any, Any]
 
 
@@ -93,8 +94,23 @@ class CopyEngine(Protocol):
         """Record the end of the forward pass (device→host copies wait for it)."""
         ...
 
-    def load(self, pairs: Sequence[LoadPair], stream: Any) -> StreamEvent:
-        """Copy host sources into pool blocks on ``stream``; the event completes with them."""
+    def load(
+        self, targets: Sequence[Any], sources: Sequence[np.ndarray], bounds: Sequence[int],
+        stream: Any,
+    ) -> list[StreamEvent]:  # fmt: skip
+        """Copy each host source into its pool block, chunk by chunk; one event per chunk.
+
+        ``targets`` are uint8 views of the destination blocks and ``sources`` host arrays of
+        the same length; ``bounds`` are byte offsets ``0 = b0 < b1 < ... = block bytes``.
+        Chunk ``i`` (bytes ``[b_i, b_i+1)`` of every block) is copied after chunk ``i - 1``;
+        event ``i`` completes once chunks ``0..i`` of every block are in place. The copies
+        run after all work queued on ``stream`` so far, but ``stream`` does not wait for
+        them: :meth:`wait` orders later work after an event.
+        """
+        ...
+
+    def wait(self, event: StreamEvent, stream: Any) -> None:
+        """Make work queued on ``stream`` from now on wait for ``event`` (never blocks)."""
         ...
 
     def save(self, pairs: Sequence[SavePair], stream: Any) -> StreamEvent:
@@ -108,9 +124,8 @@ def _torch() -> Any:
     return torch
 
 
-def _as_bytes(tensor: Any) -> Any:
-    torch = _torch()
-    return tensor.view(-1).view(torch.uint8)
+def _chunks(bounds: Sequence[int]) -> list[tuple[int, int]]:
+    return list(itertools.pairwise(bounds))
 
 
 class SyncCopyEngine:
@@ -119,87 +134,141 @@ class SyncCopyEngine:
     def mark_forward(self, stream: Any) -> None:
         return None
 
-    def load(self, pairs: Sequence[LoadPair], stream: Any) -> StreamEvent:
+    def load(
+        self, targets: Sequence[Any], sources: Sequence[np.ndarray], bounds: Sequence[int],
+        stream: Any,
+    ) -> list[StreamEvent]:  # fmt: skip
         torch = _torch()
-        for target, source in pairs:
-            _as_bytes(target).copy_(torch.from_numpy(source))
-        return DONE
+        for target, source in zip(targets, sources, strict=True):
+            target.copy_(torch.from_numpy(source))
+        return [DONE for _ in _chunks(bounds)]
+
+    def wait(self, event: StreamEvent, stream: Any) -> None:
+        return None
 
     def save(self, pairs: Sequence[SavePair], stream: Any) -> StreamEvent:
         for buffer, block in pairs:
-            buffer.copy_(_as_bytes(block))
+            buffer.copy_(block)
         return DONE
 
 
 class DeferredCopyEngine:
     """Copies as closures on a :class:`DeferredStream`: they read their source when they run.
 
-    One in-order stream serves loads, the forward pass and saves, so saves need no event to
-    wait for: they are queued after the forward pass that wrote the blocks.
+    One in-order stream serves loads, the forward pass and saves, so nothing needs an event
+    to wait for: the forward pass is queued after the loads, saves after the forward pass.
     """
 
     def mark_forward(self, stream: Any) -> None:
         return None
 
-    def load(self, pairs: Sequence[LoadPair], stream: Any) -> StreamEvent:
+    def load(
+        self, targets: Sequence[Any], sources: Sequence[np.ndarray], bounds: Sequence[int],
+        stream: Any,
+    ) -> list[StreamEvent]:  # fmt: skip
         torch = _torch()
-        for target, source in pairs:
+        pairs = list(zip(targets, sources, strict=True))
+        events: list[StreamEvent] = []
+        for lo, hi in _chunks(bounds):
             # NOTE: the source is read when the work runs, not now: exactly the hazard of an
             # asynchronous copy from host memory that somebody recycles in between.
-            def copy(target: Any = target, source: np.ndarray = source) -> None:
-                _as_bytes(target).copy_(torch.from_numpy(source))
+            def copy(lo: int = lo, hi: int = hi) -> None:
+                for target, source in pairs:
+                    target[lo:hi].copy_(torch.from_numpy(source[lo:hi]))
 
             stream.enqueue(copy)
-        event: StreamEvent = stream.record_event()
-        return event
+            events.append(stream.record_event())
+        return events
+
+    def wait(self, event: StreamEvent, stream: Any) -> None:
+        return None
 
     def save(self, pairs: Sequence[SavePair], stream: Any) -> StreamEvent:
-        for buffer, block in pairs:
+        pending = list(pairs)
 
-            def copy(buffer: Any = buffer, block: Any = block) -> None:
-                buffer.copy_(_as_bytes(block))
+        def copy() -> None:
+            for buffer, block in pending:
+                buffer.copy_(block)
 
-            stream.enqueue(copy)
+        stream.enqueue(copy)
         event: StreamEvent = stream.record_event()
         return event
 
 
 class CudaCopyEngine:
-    """A CUDA pool: asynchronous copies and ``torch.cuda.Event`` completions."""
+    """A CUDA pool: asynchronous copies on side streams, ``torch.cuda.Event`` completions.
+
+    Loads run on their own stream, ordered after the work the engine queued before
+    ``start_load_kv`` (the blocks' previous users); the forward pass waits for them layer
+    group by layer group (:meth:`wait`, from ``wait_for_layer_load``), so the host keeps
+    enqueuing the forward while the copy engine moves bytes. Saves run on another stream
+    that waits for the forward-pass event.
+    """
 
     def __init__(self, device: Any) -> None:
         torch = _torch()
+        self._device = device
         self._side = torch.cuda.Stream(device=device)
+        self._loads = torch.cuda.Stream(device=device)
         self._forward: Any = None
+        self._foreach = True
+
+    def _stream(self, stream: Any) -> Any:
+        return stream if stream is not None else _torch().cuda.current_stream(self._device)
+
+    def _copy(self, targets: Sequence[Any], sources: Sequence[Any]) -> None:
+        """One ``non_blocking`` copy per pair, issued from C++ in one call where possible."""
+        torch = _torch()
+        if self._foreach:
+            try:
+                torch._foreach_copy_(list(targets), list(sources), non_blocking=True)
+                return
+            except (RuntimeError, NotImplementedError, AttributeError):
+                # NOTE: an older torch without mixed-device foreach copies: one call per pair
+                # from now on (the copies issued before the failure are simply repeated).
+                self._foreach = False
+        for target, source in zip(targets, sources, strict=True):
+            target.copy_(source, non_blocking=True)
 
     def mark_forward(self, stream: Any) -> None:
         torch = _torch()
         event = torch.cuda.Event()
-        event.record(stream) if stream is not None else event.record()
+        event.record(self._stream(stream))
         self._forward = event
 
-    def load(self, pairs: Sequence[LoadPair], stream: Any) -> StreamEvent:
+    def load(
+        self, targets: Sequence[Any], sources: Sequence[np.ndarray], bounds: Sequence[int],
+        stream: Any,
+    ) -> list[StreamEvent]:  # fmt: skip
         torch = _torch()
-        context = torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
-        with context:
-            for target, source in pairs:
-                _as_bytes(target).copy_(torch.from_numpy(source), non_blocking=True)
-            event = torch.cuda.Event()
-            event.record()
-        result: StreamEvent = event
-        return result
+        self._loads.wait_stream(self._stream(stream))
+        hosts = [torch.from_numpy(source) for source in sources]
+        events: list[StreamEvent] = []
+        whole = len(bounds) == 2
+        with torch.cuda.stream(self._loads):
+            for lo, hi in _chunks(bounds):
+                if whole:
+                    self._copy(targets, hosts)
+                else:
+                    self._copy([t[lo:hi] for t in targets], [h[lo:hi] for h in hosts])
+                event = torch.cuda.Event()
+                event.record(self._loads)
+                events.append(event)
+        return events
+
+    def wait(self, event: StreamEvent, stream: Any) -> None:
+        self._stream(stream).wait_event(event)
 
     def save(self, pairs: Sequence[SavePair], stream: Any) -> StreamEvent:
         torch = _torch()
         with torch.cuda.stream(self._side):
             if self._forward is not None:
                 self._side.wait_event(self._forward)
-            elif stream is not None:
-                self._side.wait_stream(stream)
-            for buffer, block in pairs:
-                buffer.copy_(_as_bytes(block), non_blocking=True)
+            else:
+                self._side.wait_stream(self._stream(stream))
+            self._copy([buffer for buffer, _ in pairs], [block for _, block in pairs])
             event = torch.cuda.Event()
-            event.record()
+            event.record(self._side)
         result: StreamEvent = event
         return result
 
@@ -220,7 +289,6 @@ __all__ = [
     "NEVER",
     "DeferredCopyEngine",
     "DeferredStream",
-    "LoadPair",
     "SavePair",
     "StreamEvent",
     "SyncCopyEngine",

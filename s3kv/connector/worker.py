@@ -2,11 +2,18 @@
 
 Contracts:
 
-* :meth:`WorkerCore.start_load` enqueues copies of staged host bytes into the claimed blocks
-  on the engine's stream, before the forward pass is enqueued (the execution stream waits on
-  it), and never waits for them. The sources stay pinned by the scheduler until this rank
-  publishes, on the :class:`~s3kv.connector.completion.CompletionBoard`, that the copies'
-  event has *completed* (:meth:`WorkerCore.poll_loads`, run at every entry point).
+* :meth:`WorkerCore.start_load` enqueues copies of staged host bytes into the claimed blocks,
+  ordered after the work already queued on the engine's stream, in *layer groups* (each
+  block's bytes of the first layers first), and never waits for them. The forward pass waits
+  on the device, not the host: :meth:`WorkerCore.wait_for_layer` (TensorRT-LLM's
+  ``wait_for_layer_load``, called before each decoder layer's work is enqueued) makes the
+  forward's stream wait for the group holding that layer, so layer 0 runs as soon as its
+  bytes are in while later groups are still copying, and the host never stalls behind the
+  copies. Until the hooks have been seen for every layer of a whole forward pass, the stream
+  waits for all of a load at once instead. The sources stay pinned by the scheduler until this
+  rank publishes, on the :class:`~s3kv.connector.completion.CompletionBoard`, that the
+  copies' last event has *completed* (:meth:`WorkerCore.poll_loads`, run at every entry
+  point).
 * :meth:`WorkerCore.save_after_forward` copies full blocks to bounded host buffers on a side
   stream that waits for the forward-pass event, then hands them to the store, which encodes
   and uploads them on its pool. Nothing waits for S3.
@@ -16,12 +23,13 @@ Contracts:
 
 from __future__ import annotations
 
+import bisect
 import functools
 import logging
 import threading
 from collections import defaultdict, deque
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -44,11 +52,43 @@ from s3kv.store import KVStore
 
 logger = logging.getLogger(__name__)
 
+#: Per block, the fewest bytes a layer group's copy carries. Smaller copies cost the copy
+#: engine bandwidth and the host a call each; a group of one layer of SmolLM2 (24 KiB) would.
+#: NOTE: 1 MiB: whole SmolLM2 blocks (720 KiB) and 8-layer Llama-3-8B slices (1 MiB) load as
+#: one group; a whole Llama-3-8B block (4 MiB) as 4 groups of 8 layers.
+LOAD_GROUP_MIN_BYTES = 1 << 20
+
+
+def layer_groups(num_layers: int, layer_nbytes: int, min_bytes: int) -> list[int]:
+    """Layer boundaries ``[0, ..., num_layers]`` of groups of at least ``min_bytes`` per block.
+
+    Consecutive layers are contiguous inside a block (``[layers, kv_factor, block_elems]``),
+    so a group is one copy per block. The last group may be smaller.
+    """
+    per = max(1, -(-min_bytes // max(1, layer_nbytes)))
+    return [*range(0, num_layers, per), num_layers]
+
 
 def _torch() -> Any:
     import torch
 
     return torch
+
+
+@dataclass
+class _LoadInFlight:
+    """One load batch: an event per layer group (in order), and how many the forward awaits.
+
+    ``awaited`` groups have had a device-side wait placed on the forward's stream; since the
+    groups are copied in order on one stream, waiting for group ``g`` covers ``0..g``.
+    """
+
+    events: list[StreamEvent]
+    bounds: list[int]
+    awaited: int = field(default=0)
+
+    def group_of(self, layer: int) -> int:
+        return min(len(self.events) - 1, max(0, bisect.bisect_right(self.bounds, layer) - 1))
 
 
 @dataclass
@@ -132,6 +172,29 @@ class WorkerCore:
         self._loads: deque[tuple[int, StreamEvent]] = deque()  # (load_seq, its event)
         self._engine: CopyEngine | None = copy_engine(kv_cache, None) if self.cuda else None
         self._stream: Any = None
+        self.num_layers = int(kv_cache.shape[1]) if kv_cache.dim() >= 2 else 1
+        layer_nbytes = self.block_nbytes // self.num_layers
+        self._layer_bounds = layer_groups(self.num_layers, layer_nbytes, LOAD_GROUP_MIN_BYTES)
+        self._byte_bounds = [b * layer_nbytes for b in self._layer_bounds]
+        self._byte_bounds[-1] = self.block_nbytes
+        self._pool_bytes = kv_cache.view(kv_cache.shape[0], -1).view(_torch().uint8)
+        self._views: dict[int, Any] = {}  # block id -> its uint8 view (built once)
+        self._unawaited: list[_LoadInFlight] = []  # loads the forward has not fully awaited
+        self._hooked: set[int] = set()  # layers whose wait_for_layer_load ran this pass
+        self.layer_waits = False  # the hooks ran for every layer of a whole forward pass
+
+    def set_load_groups(self, min_bytes: int) -> None:
+        """Copy loads in layer groups of at least ``min_bytes`` per block (benchmarks, tests)."""
+        layer_nbytes = self.block_nbytes // self.num_layers
+        self._layer_bounds = layer_groups(self.num_layers, layer_nbytes, min_bytes)
+        self._byte_bounds = [b * layer_nbytes for b in self._layer_bounds]
+        self._byte_bounds[-1] = self.block_nbytes
+
+    def _view(self, block_id: int) -> Any:
+        view = self._views.get(block_id)
+        if view is None:
+            view = self._views[block_id] = self._pool_bytes[block_id]
+        return view
 
     def _engine_for(self, stream: Any) -> CopyEngine:
         """The copy engine; on the CPU it follows the first stream the engine passes."""
@@ -143,8 +206,58 @@ class WorkerCore:
     # --- forward-pass event ---
 
     def forward_done(self) -> None:
-        """End of every forward pass, on its stream: the point device→host copies wait for."""
-        self._engine_for(self._stream).mark_forward(self._stream)
+        """End of every forward pass, on its stream: the point device→host copies wait for.
+
+        Also where the layer hooks are judged: a pass that asked for every layer lets later
+        loads be awaited layer group by layer group; loads a pass did not await entirely are
+        awaited now (a hook that never ran) and later loads are awaited whole again.
+        """
+        engine = self._engine_for(self._stream)
+        if self._unawaited:
+            logger.warning(
+                "s3kv: wait_for_layer_load did not run for every layer; loads are awaited "
+                "before the forward pass from now on"
+            )
+            self._await_all(self._stream)
+            self.layer_waits = False
+        else:
+            self.layer_waits = len(self._hooked) >= self.num_layers
+        self._hooked.clear()
+        engine.mark_forward(self._stream)
+
+    def wait_for_layer(self, layer: int, stream: Any) -> None:
+        """Before layer ``layer``'s work is enqueued on ``stream``: order it after its bytes.
+
+        Places device-side waits only (never blocks the host), once per layer group.
+
+        NOTE: TensorRT-LLM calls ``wait_for_layer_load`` from
+        ``KvCacheConnectorManager.layer_pre_hook`` (a forward pre-hook on every decoder
+        layer, ``_torch/pyexecutor/connectors/kv_cache_connector.py`` @``5a06f334``) with
+        ``torch.cuda.current_stream()``, inside ``_forward_step``'s ``with
+        torch.cuda.stream(self.execution_stream)`` (``py_executor.py``, the 155 kB stored
+        version): ``stream`` is the one the layer's kernels are queued on.
+        """
+        self._hooked.add(layer)
+        if not self._unawaited:
+            return
+        engine = self._engine_for(stream)
+        try:
+            for load in self._unawaited:
+                group = load.group_of(layer)
+                if group >= load.awaited:
+                    engine.wait(load.events[group], stream)
+                    load.awaited = group + 1
+        except Exception:
+            logger.exception("s3kv: a per-layer wait failed; awaiting every load in full")
+            self._await_all(stream)
+            return
+        self._unawaited = [x for x in self._unawaited if x.awaited < len(x.events)]
+
+    def _await_all(self, stream: Any) -> None:
+        engine = self._engine_for(stream)
+        for load in self._unawaited:
+            engine.wait(load.events[-1], stream)
+        self._unawaited = []
 
     # --- loads ---
 
@@ -163,10 +276,15 @@ class WorkerCore:
         arena = self._arena(metadata) if metadata.arenas else None
         event: StreamEvent = NEVER  # NOTE: until the copies are known to be enqueued or done
         try:
-            pairs = [
-                (self.kv_cache[op.block_id], self._load_source(op, arena)) for op in metadata.loads
-            ]
-            event = engine.load(pairs, stream)
+            targets = [self._view(op.block_id) for op in metadata.loads]
+            sources = [self._load_source(op, arena) for op in metadata.loads]
+            events = engine.load(targets, sources, self._byte_bounds, stream)
+            event = events[-1]
+            load = _LoadInFlight(events, self._layer_bounds)
+            if self.layer_waits:
+                self._unawaited.append(load)  # NOTE: awaited layer group by layer group
+            else:
+                engine.wait(event, stream)
         except Exception:
             # NOTE: a claim cannot be withdrawn: wait for whatever was enqueued, then copy
             # every block the plain way. If even that fails, the batch's event never
@@ -187,10 +305,9 @@ class WorkerCore:
             _torch().cuda.synchronize(self.kv_cache.device)
         elif isinstance(stream, DeferredStream):
             stream.record_event().synchronize()
-        pairs = [
-            (self.kv_cache[op.block_id], self._load_source(op, arena)) for op in metadata.loads
-        ]
-        SyncCopyEngine().load(pairs, None)
+        targets = [self._view(op.block_id) for op in metadata.loads]
+        sources = [self._load_source(op, arena) for op in metadata.loads]
+        SyncCopyEngine().load(targets, sources, [0, self.block_nbytes], None)
 
     def poll_loads(self) -> None:
         """Publish, oldest first, every load batch whose copies have completed."""
@@ -234,6 +351,8 @@ class WorkerCore:
         """Start device→host copies of this iteration's full blocks; never waits on them."""
         if self.relay is not None and metadata.relay:
             self.relay.attach(metadata.relay)  # idempotent; before any save reaches the store
+        if self._unawaited:  # NOTE: no forward-pass callable ran: never leave a load unawaited
+            self._await_all(stream)
         self.poll_loads()
         self._drain(block=False)
         if not metadata.saves:
@@ -249,9 +368,7 @@ class WorkerCore:
             buffers.append(buffer)
         if not ops:
             return
-        pairs = [
-            (buffer, self.kv_cache[op.block_id]) for op, buffer in zip(ops, buffers, strict=True)
-        ]
+        pairs = [(buffer, self._view(op.block_id)) for op, buffer in zip(ops, buffers, strict=True)]
         try:
             event = self._engine_for(stream).save(pairs, stream)
         except Exception:

@@ -36,8 +36,8 @@ eventually).
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, cast
 
 from s3kv.connector.device import DONE, StreamEvent
 from s3kv.testing.emulator.connector_manager import KvCacheConnectorManager
@@ -65,7 +65,7 @@ class _BatchState:
     """A queued forward step: its batch, sampled tokens (in batch order) and end event."""
 
     batch: ScheduledRequests
-    tokens: DeviceValue[list[int]]
+    tokens: DeviceValue[Sequence[int]]
     event: StreamEvent
     index: dict[int, int] = dataclasses.field(init=False)
 
@@ -204,17 +204,28 @@ class ExecutorLoop:
                 "pre_layer": self.connector.layer_pre_hook,
                 "post_layer": self.connector.layer_post_hook,
             }
-        if self.device is None:
-            tokens = DeviceValue.of(self.model.forward(items(), self.pool, **hooks))
+        cuda = self.device is None and self.model.device.type == "cuda"
+        sampled: DeviceValue[Sequence[int]]
+        if cuda:
+            # NOTE: kernels queued, not waited for: the host syncs where the engine does.
+            sampled = self.model.launch_forward(items(), self.pool, **hooks)
+        elif self.device is None:
+            now: Sequence[int] = self.model.forward(items(), self.pool, **hooks)
+            sampled = DeviceValue.of(now)
         else:
-            tokens = self.model.enqueue_forward(items, self.pool, self.device.enqueue, **hooks)
+            queued = self.model.enqueue_forward(items, self.pool, self.device.enqueue, **hooks)
+            sampled = cast(DeviceValue[Sequence[int]], queued)
         if self.forward_callable is not None:
             self.forward_callable()  # NOTE: end of the model engine's forward, same stream
         if self.connector is not None:
             self.connector.worker.wait_for_save(self.stream())
         self.forward_passes += 1
-        event = DONE if self.device is None else self.device.record_event()
-        return _BatchState(batch, tokens, event)
+        event: StreamEvent = DONE
+        if cuda:
+            event = _cuda_event()
+        elif self.device is not None:
+            event = self.device.record_event()
+        return _BatchState(batch, sampled, event)
 
     def _update_request_states(self, batch: ScheduledRequests) -> None:
         """Advance context cursors; under overlap, mark requests whose last token is in flight."""
@@ -331,6 +342,16 @@ class ExecutorLoop:
             self.kv.free_resources(req)
         self.active, self.saving, self.previous = [], {}, None
         return [req.request_id for req in failed]
+
+
+def _cuda_event() -> StreamEvent:
+    """An event after everything queued so far on the current CUDA stream."""
+    import torch
+
+    event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+    event.record()
+    result: StreamEvent = event
+    return result
 
 
 __all__ = ["ExecutorLoop", "Tracked"]

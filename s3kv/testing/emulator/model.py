@@ -37,6 +37,7 @@ from typing import Any, Final, TypeVar
 import torch
 import torch.nn.functional as F  # noqa: N812  (the conventional name)
 from torch import distributed as dist
+from torch.nn.attention.bias import causal_lower_right
 
 from s3kv.testing.emulator.device import DeviceValue, Work
 from s3kv.testing.emulator.geometry import (
@@ -45,6 +46,7 @@ from s3kv.testing.emulator.geometry import (
     query_heads_for_rank,
     split_range,
 )
+from s3kv.testing.emulator.kernels import DeviceTokens, fused_bias, gather_kv, rotate
 
 T = TypeVar("T")
 
@@ -87,24 +89,25 @@ class ForwardItem:
 
 @dataclasses.dataclass(frozen=True)
 class _LayerWeights:
-    """One decoder layer's weights, already sliced for this rank's shard."""
+    """One decoder layer's weights, already sliced for this rank's shard.
+
+    Q, K and V are one matrix (``[q; k; v]`` rows) and so are gate and up (``[gate; up]``):
+    one matrix product each instead of three and two.
+    """
 
     input_norm: torch.Tensor
-    q_w: torch.Tensor
-    k_w: torch.Tensor
-    v_w: torch.Tensor
-    q_b: torch.Tensor | None
-    k_b: torch.Tensor | None
-    v_b: torch.Tensor | None
+    qkv_w: torch.Tensor  # [(q_heads + 2 * kv_heads) * head_dim, hidden]
+    qkv_b: torch.Tensor | None
     o_w: torch.Tensor
     o_b: torch.Tensor | None  # replicated: added once, after the all-reduce
     post_norm: torch.Tensor
-    gate_w: torch.Tensor
-    up_w: torch.Tensor
-    gate_b: torch.Tensor | None
-    up_b: torch.Tensor | None
+    gate_up_w: torch.Tensor  # [2 * ff, hidden]
+    gate_up_b: torch.Tensor | None
     down_w: torch.Tensor
     down_b: torch.Tensor | None  # replicated: added once, after the all-reduce
+    q_heads: int
+    kv_heads: int
+    ff: int
 
 
 @dataclasses.dataclass(frozen=True)
@@ -118,7 +121,8 @@ class _ItemPlan:
     write_blocks: torch.Tensor  # [T] block id of each computed position
     write_slots: torch.Tensor  # [T] slot of each computed position
     read_blocks: torch.Tensor  # [ceil(end / tpb)] blocks covering [0, end)
-    mask: torch.Tensor  # [T, end] bool, True where the query may attend
+    mask: torch.Tensor | None  # [T, end] bool, True where the query may attend (CPU)
+    causal: Any = None  # CUDA: the same mask as a lower-right causal bias (flash attention)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -158,6 +162,12 @@ class PagedLlama:
         self._group = process_group
         self.device: Final = weights.embed.device
         self.dtype: Final = weights.embed.dtype
+        # NOTE: CUDA in half precision: fused kernels (flash attention with a lower-right
+        # causal bias, fused RMS statistics). The CPU keeps the reference formulation.
+        self._flash: Final = self.device.type == "cuda" and self.dtype in (
+            torch.float16,
+            torch.bfloat16,
+        )
 
     @classmethod
     def from_hf(
@@ -226,21 +236,37 @@ class PagedLlama:
             layers.append(
                 _LayerWeights(
                     input_norm=put(layer.input_layernorm.weight),
-                    q_w=rows(attn.q_proj.weight, q_range, head_dim),
-                    k_w=rows(attn.k_proj.weight, kv_range, head_dim),
-                    v_w=rows(attn.v_proj.weight, kv_range, head_dim),
-                    q_b=bias(attn.q_proj, q_range, head_dim),
-                    k_b=bias(attn.k_proj, kv_range, head_dim),
-                    v_b=bias(attn.v_proj, kv_range, head_dim),
+                    qkv_w=torch.cat(
+                        [
+                            rows(attn.q_proj.weight, q_range, head_dim),
+                            rows(attn.k_proj.weight, kv_range, head_dim),
+                            rows(attn.v_proj.weight, kv_range, head_dim),
+                        ]
+                    ),
+                    qkv_b=fused_bias(
+                        [
+                            (bias(attn.q_proj, q_range, head_dim), len(q_range) * head_dim),
+                            (bias(attn.k_proj, kv_range, head_dim), len(kv_range) * head_dim),
+                            (bias(attn.v_proj, kv_range, head_dim), len(kv_range) * head_dim),
+                        ]
+                    ),
                     o_w=cols(attn.o_proj.weight, q_range, head_dim),
                     o_b=bias(attn.o_proj),
                     post_norm=put(layer.post_attention_layernorm.weight),
-                    gate_w=rows(mlp.gate_proj.weight, ff_range),
-                    up_w=rows(mlp.up_proj.weight, ff_range),
-                    gate_b=bias(mlp.gate_proj, ff_range),
-                    up_b=bias(mlp.up_proj, ff_range),
+                    gate_up_w=torch.cat(
+                        [rows(mlp.gate_proj.weight, ff_range), rows(mlp.up_proj.weight, ff_range)]
+                    ),
+                    gate_up_b=fused_bias(
+                        [
+                            (bias(mlp.gate_proj, ff_range), len(ff_range)),
+                            (bias(mlp.up_proj, ff_range), len(ff_range)),
+                        ]
+                    ),
                     down_w=cols(mlp.down_proj.weight, ff_range),
                     down_b=bias(mlp.down_proj),
+                    q_heads=len(q_range),
+                    kv_heads=len(kv_range),
+                    ff=len(ff_range),
                 )
             )
         weights = _Weights(
@@ -345,6 +371,26 @@ class PagedLlama:
         )
         return value.get()
 
+    def launch_forward(
+        self,
+        items: Sequence[ForwardItem],
+        pool: torch.Tensor,
+        *,
+        pre_layer: LayerHook | None = None,
+        post_layer: LayerHook | None = None,
+    ) -> DeviceValue[Sequence[int]]:
+        """:meth:`forward` on a CUDA device without waiting for it: kernels are queued now.
+
+        The hooks run on the host as each layer's kernels are queued (as TensorRT-LLM's
+        module hooks do). The greedy tokens stay in device memory until read: reading the
+        returned value waits for the device (the engine's sampler synchronisation).
+        """
+        self._check_pool(pool)
+        if not items:
+            return DeviceValue.of([])
+        batch = list(items)
+        return self._staged(lambda: batch, pool, _run_now, pre_layer, post_layer, DeviceTokens)
+
     def enqueue_forward(
         self,
         items: Callable[[], Sequence[ForwardItem]],
@@ -392,11 +438,7 @@ class PagedLlama:
         def embed() -> None:
             batch = list(items())
             state["plans"] = plans = self._plan(batch, num_blocks=pool.shape[0])
-            ids = torch.tensor(
-                [t for item in batch for t in item.tokens[item.start : item.end]],
-                dtype=torch.long,
-                device=self.device,
-            )
+            ids = self._indices([t for item in batch for t in item.tokens[item.start : item.end]])
             if plans:
                 state["hidden"] = F.embedding(ids, self._w.embed)  # packed [sum(T), hidden]
 
@@ -414,7 +456,7 @@ class PagedLlama:
             if not plans:
                 result.set(output(torch.empty(0, self.vocab_size, device=self.device)))
                 return
-            rows = torch.tensor([p.rows.stop - 1 for p in plans], device=self.device)
+            rows = self._indices([p.rows.stop - 1 for p in plans])
             last = state["hidden"][rows]
             result.set(output(F.linear(self._rms(last, self._w.final_norm), self._w.lm_head)))
 
@@ -452,9 +494,18 @@ class PagedLlama:
                 raise ValueError(f"items[{n}].block_ids: ids must be in [0, {num_blocks})")
             count = item.end - item.start
             positions = torch.arange(item.start, item.end, device=self.device)
-            block_table = torch.tensor(blocks, dtype=torch.long, device=self.device)
+            block_table = self._indices(blocks)
             cos, sin = self._rope(positions)
-            keys = torch.arange(item.end, device=self.device)
+            mask, causal = None, None
+            if self._flash:
+                # NOTE: flash attention's causal mask is aligned to the bottom right: query
+                # row r (absolute position start + r) sees keys 0 ..= start + r, as below.
+                causal = causal_lower_right(count, item.end)
+            else:
+                # NOTE: the causal diagonal is offset by `start`: query row r sits at
+                # absolute position start + r and may see keys 0 ..= start + r.
+                keys = torch.arange(item.end, device=self.device)
+                mask = keys[None, :] <= positions[:, None]
             plans.append(
                 _ItemPlan(
                     rows=slice(offset, offset + count),
@@ -464,13 +515,24 @@ class PagedLlama:
                     write_blocks=block_table[positions // tpb],
                     write_slots=positions % tpb,
                     read_blocks=block_table,
-                    # NOTE: the causal diagonal is offset by `start`: query row r sits at
-                    # absolute position start + r and may see keys 0 ..= start + r.
-                    mask=keys[None, :] <= positions[:, None],
+                    mask=mask,
+                    causal=causal,
                 )
             )
             offset += count
         return plans
+
+    def _indices(self, values: list[int]) -> torch.Tensor:
+        """``values`` as a long tensor on the device, without waiting for the device.
+
+        NOTE: ``torch.tensor(values, device="cuda")`` copies from pageable memory and waits
+        for everything queued on the stream; staged through page-locked memory the copy is
+        queued like any kernel, so the host keeps enqueuing (as an engine's would).
+        """
+        host = torch.tensor(values, dtype=torch.long)
+        if self.device.type != "cuda":
+            return host.to(self.device)
+        return host.pin_memory().to(self.device, non_blocking=True)
 
     def _rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         # NOTE: mirrors HF's LlamaRotaryEmbedding: fp32 angles, cat(freqs, freqs), scaled.
@@ -481,9 +543,13 @@ class PagedLlama:
 
     def _rms(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         # NOTE: same op order as HF's LlamaRMSNorm (statistics in at least fp32, weight
-        # applied last); float64 compute keeps its precision.
+        # applied last); float64 compute keeps its precision. On CUDA the statistics are
+        # one fused kernel instead of five.
         h = x.to(torch.promote_types(x.dtype, torch.float32))
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self._w.rms_eps)
+        if self._flash:
+            h = torch.rms_norm(h, (h.shape[-1],), None, self._w.rms_eps)
+        else:
+            h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self._w.rms_eps)
         return weight * h.to(x.dtype)
 
     def _all_reduce(self, x: torch.Tensor) -> torch.Tensor:
@@ -501,61 +567,51 @@ class PagedLlama:
     ) -> torch.Tensor:
         head_dim = self._geometry.head_dim
         h = self._rms(hidden, w.input_norm)
-        q = F.linear(h, w.q_w, w.q_b).view(h.shape[0], -1, head_dim)
-        k = F.linear(h, w.k_w, w.k_b).view(h.shape[0], -1, head_dim)
-        v = F.linear(h, w.v_w, w.v_b).view(h.shape[0], -1, head_dim)
-        attn = torch.empty_like(q)
-        for plan in plans:
-            rows = plan.rows
-            attn[rows] = self._attend(q[rows], k[rows], v[rows], plan, kv[:, index])
+        qkv = F.linear(h, w.qkv_w, w.qkv_b).view(h.shape[0], -1, head_dim)
+        layer_kv = kv[:, index]
+        if len(plans) == 1:
+            attn = self._attend(qkv, plans[0], layer_kv, w.q_heads)
+        else:
+            attn = qkv.new_empty(qkv.shape[0], w.q_heads, head_dim)
+            for plan in plans:
+                attn[plan.rows] = self._attend(qkv[plan.rows], plan, layer_kv, w.q_heads)
         out = self._all_reduce(F.linear(attn.flatten(1), w.o_w))
         hidden = hidden + (out if w.o_b is None else out + w.o_b)
         h = self._rms(hidden, w.post_norm)
-        ff = self._w.act(F.linear(h, w.gate_w, w.gate_b)) * F.linear(h, w.up_w, w.up_b)
+        gate_up = F.linear(h, w.gate_up_w, w.gate_up_b)
+        ff = self._w.act(gate_up[:, : w.ff]) * gate_up[:, w.ff :]
         out = self._all_reduce(F.linear(ff, w.down_w))
         return hidden + (out if w.down_b is None else out + w.down_b)
 
     def _attend(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        plan: _ItemPlan,
-        layer_kv: torch.Tensor,
+        self, qkv: torch.Tensor, plan: _ItemPlan, layer_kv: torch.Tensor, q_heads: int
     ) -> torch.Tensor:
-        """Attention for one item: q ``[T, Hq, D]``, k/v ``[T, Hkv, D]`` -> ``[T, Hq, D]``.
+        """Attention for one item: qkv ``[T, Hq + 2 * Hkv, D]`` -> ``[T, Hq, D]``.
 
-        ``layer_kv`` is this layer's ``[blocks, 2, Hkv, tpb, D]`` view of the pool.
+        ``layer_kv`` is this layer's ``[blocks, 2, Hkv, tpb, D]`` view of the pool. K and V
+        are written together, and read back together, from the pool.
         """
-        q = _rotate(q, plan.cos, plan.sin)
-        k = _rotate(k, plan.cos, plan.sin)
-        pool_k, pool_v = layer_kv[:, 0], layer_kv[:, 1]  # views: writes land in the pool
-        pool_k[plan.write_blocks, :, plan.write_slots] = k.to(pool_k.dtype)
-        pool_v[plan.write_blocks, :, plan.write_slots] = v.to(pool_v.dtype)
-        keys = _gather(pool_k, plan.read_blocks, plan.end).to(q.dtype)
-        values = _gather(pool_v, plan.read_blocks, plan.end).to(q.dtype)
-        out = F.scaled_dot_product_attention(
-            q.transpose(0, 1), keys, values, attn_mask=plan.mask, enable_gqa=True
-        )
+        kv_heads = (qkv.shape[1] - q_heads) // 2
+        qk = rotate(qkv[:, : q_heads + kv_heads], plan.cos, plan.sin)
+        q = qk[:, :q_heads]
+        fresh = torch.stack((qk[:, q_heads:], qkv[:, q_heads + kv_heads :]), dim=1)
+        # NOTE: a view of the pool: the write lands in it. [T, 2, Hkv, D] at (block, slot).
+        layer_kv[plan.write_blocks, :, :, plan.write_slots] = fresh.to(layer_kv.dtype)
+        both = gather_kv(layer_kv, plan.read_blocks, plan.end).to(q.dtype)  # [2, Hkv, end, D]
+        if plan.causal is not None:
+            out = F.scaled_dot_product_attention(
+                q.transpose(0, 1)[None], both[0][None], both[1][None],
+                attn_mask=plan.causal, enable_gqa=True,
+            )[0]  # fmt: skip
+        else:
+            out = F.scaled_dot_product_attention(
+                q.transpose(0, 1), both[0], both[1], attn_mask=plan.mask, enable_gqa=True
+            )
         return out.transpose(0, 1)
 
 
 def _run_now(work: Work) -> None:
     work()
-
-
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """RoPE on ``[T, H, D]`` with ``[T, D]`` tables, as HF's ``apply_rotary_pos_emb``."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos[:, None, :] + rotated * sin[:, None, :]
-
-
-def _gather(pool_kv: torch.Tensor, blocks: torch.Tensor, end: int) -> torch.Tensor:
-    """``[blocks, H, tpb, D]`` pool view -> ``[H, end, D]`` for positions ``[0, end)``."""
-    chunk = pool_kv[blocks]  # [n, H, tpb, D]
-    heads, head_dim = chunk.shape[1], chunk.shape[3]
-    return chunk.transpose(0, 1).reshape(heads, -1, head_dim)[:, :end]
 
 
 def smollm2_config(**overrides: Any) -> Any:

@@ -1,0 +1,65 @@
+"""Small tensor helpers of :mod:`s3kv.testing.emulator.model` (one place for the shapes).
+
+* :func:`rotate` — RoPE as HF's ``apply_rotary_pos_emb`` (half-split layout);
+* :func:`gather_kv` — a layer's K and V for positions ``[0, end)`` out of the paged pool;
+* :func:`fused_bias` — the bias of row-stacked matrices (Q/K/V, gate/up);
+* :class:`DeviceTokens` — sampled tokens left in device memory until first read.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import overload
+
+import torch
+
+
+class DeviceTokens(Sequence[int]):
+    """Greedy tokens left in device memory; the first read waits for the device."""
+
+    def __init__(self, logits: torch.Tensor) -> None:
+        self._device = logits.argmax(-1)  # NOTE: queued, not waited for
+        self._host: list[int] | None = None
+
+    def _values(self) -> list[int]:
+        if self._host is None:
+            self._host = [int(t) for t in self._device.tolist()]
+        return self._host
+
+    def __len__(self) -> int:
+        return int(self._device.shape[0])
+
+    @overload
+    def __getitem__(self, index: int) -> int: ...
+
+    @overload
+    def __getitem__(self, index: slice) -> Sequence[int]: ...
+
+    def __getitem__(self, index: int | slice) -> int | Sequence[int]:
+        return self._values()[index]
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """RoPE on ``[T, H, D]`` with ``[T, D]`` tables, as HF's ``apply_rotary_pos_emb``."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos[:, None, :] + rotated * sin[:, None, :]
+
+
+def gather_kv(layer_kv: torch.Tensor, blocks: torch.Tensor, end: int) -> torch.Tensor:
+    """``[blocks, 2, H, tpb, D]`` layer view -> ``[2, H, end, D]`` (K, V) for ``[0, end)``."""
+    chunk = layer_kv[blocks]  # [n, 2, H, tpb, D]
+    heads, head_dim = chunk.shape[2], chunk.shape[4]
+    return chunk.permute(1, 2, 0, 3, 4).reshape(2, heads, -1, head_dim)[:, :, :end]
+
+
+def fused_bias(parts: list[tuple[torch.Tensor | None, int]]) -> torch.Tensor | None:
+    """The biases of row-stacked matrices, zeros for those without one; ``None`` if none has."""
+    present = [b for b, _ in parts if b is not None]
+    if not present:
+        return None
+    like = present[0]
+    return torch.cat([b if b is not None else like.new_zeros(n) for b, n in parts])
+
+
+__all__ = ["DeviceTokens", "fused_bias", "gather_kv", "rotate"]
