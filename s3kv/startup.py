@@ -35,6 +35,9 @@ from collections import Counter
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Final, Generic, TypeVar
 
+import numpy as np
+import numpy.typing as npt
+
 from s3kv.config import S3KVConfig
 from s3kv.errors import AccessDeniedError, BucketNotFoundError, StorageError
 from s3kv.keys import BlockHash
@@ -358,6 +361,10 @@ class PendingManifest:
     def count_leading(self, keys: Sequence[bytes]) -> int:
         target = self.opening.result
         return 0 if target is None else target.count_leading(keys)
+
+    def contains_many(self, keys: Sequence[bytes]) -> npt.NDArray[np.bool_]:
+        target = self.opening.result
+        return np.zeros(len(keys), dtype=bool) if target is None else target.contains_many(keys)
 
     def record_write(self, key: BlockHash, parent: BlockHash, size: int) -> None:
         target = self.opening.result

@@ -259,3 +259,16 @@ def test_another_instance_sees_a_block_only_once_every_shard_is_written() -> Non
     later = reader()
     assert later.count_leading([key(1), key(2)]) == 2
     later.close(flush=False)
+
+
+def test_contains_many_answers_as_may_contain_in_one_filter_pass() -> None:
+    p, manifest = presence(2)
+    v0, v1 = p.view(0), p.view(1)
+    v0.record_write(key(1), ROOT_HASH, 10)  # pending: shard 0 only
+    v0.record_write(key(2), ROOT_HASH, 10)
+    v1.record_write(key(2), ROOT_HASH, 10)  # recorded: every shard
+    keys = [key(1), key(2), key(3)]
+    passes = manifest.filter_passes
+    for view in (v0, v1):
+        assert view.contains_many(keys).tolist() == [view.may_contain(k) for k in keys]
+    assert manifest.filter_passes == passes + 2  # one per call, whatever the keys

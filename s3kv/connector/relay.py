@@ -38,6 +38,7 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Final
 
 import numpy as np
+import numpy.typing as npt
 
 from s3kv._logonce import LogOnce
 from s3kv.errors import ConfigError
@@ -243,6 +244,10 @@ class RelayedManifest:
     def count_leading(self, keys: Sequence[bytes]) -> int:
         """Always 0 (this rank never claims)."""
         return 0
+
+    def contains_many(self, keys: Sequence[bytes]) -> npt.NDArray[np.bool_]:
+        """All False, as :meth:`may_contain`."""
+        return np.zeros(len(keys), dtype=bool)
 
     def record_write(self, key: BlockHash, parent: BlockHash, size: int) -> None:
         """Report the write to rank 0 (dropped and counted if not attached or full)."""

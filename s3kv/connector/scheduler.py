@@ -281,9 +281,13 @@ class SchedulerCore:
             state.keys.extend(state.tokens[state.keys.num_tokens :])
         loaded = range(state.claim_start, state.claim_start + len(state.claimed))
         ops = []
-        for b in range(state.saved_blocks, limit):
+        first = state.saved_blocks
+        # NOTE: one vectorized filter pass for the blocks this step may save: a check per
+        # block cost 40-70 us each, 10-19 ms per 8K-token prompt on the engine's thread.
+        present = shards.contains_many(state.keys[first:limit]) if limit > first else ()
+        for b in range(first, limit):
             key = state.keys[b]
-            if b in loaded or shards.may_contain(key):
+            if b in loaded or present[b - first]:
                 continue
             if state.block_ids[b] < 0:
                 continue  # BAD_PAGE_INDEX: no page (out of a sliding window)

@@ -27,6 +27,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+import numpy.typing as npt
+
 from s3kv.config import S3KVConfig
 from s3kv.connector.arena import SlabArena
 from s3kv.connector.relay import RelayedManifest, RelayPump, WriteRelay
@@ -406,6 +409,13 @@ class ShardStores:
         Under TP the shards' manifests are views of one: true once every shard is written.
         """
         return all(store.may_contain(key) for store in self.stores)
+
+    def contains_many(self, keys: Sequence[BlockHash]) -> npt.NDArray[np.bool_]:
+        """:meth:`may_contain` for each of ``keys``: one filter pass per shard."""
+        present = self.stores[0].contains_many(keys)
+        for store in self.stores[1:]:
+            present &= store.contains_many(keys)
+        return present
 
     def close_arenas(self) -> None:
         """Unmap the staging arenas (their stores must be closed first)."""

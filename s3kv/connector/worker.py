@@ -404,6 +404,7 @@ class WorkerCore:
                 dtype=self.dtype_name,
                 shape=self.block_shape,
                 on_consumed=functools.partial(self._buffers.release, buffer),
+                checked=True,  # NOTE: the scheduler planned it from one bulk filter pass
             )
         except Exception:  # NOTE: a lost save costs a future miss, never the request
             logger.exception("s3kv: dropping the save of block %s", op.key.hex())

@@ -38,6 +38,7 @@ from dataclasses import dataclass
 from typing import Final
 
 import numpy as np
+import numpy.typing as npt
 
 from s3kv.keys import HASH_BYTES, BlockHash
 from s3kv.manifest.live import Manifest
@@ -122,6 +123,17 @@ class ShardedPresence:
         with self._lock:
             entry = self._pending.get(bytes(key))
             return entry is not None and bool(entry.mask >> shard & 1)
+
+    def contains_many(self, shard: int, keys: Sequence[bytes]) -> npt.NDArray[np.bool_]:
+        """:meth:`may_contain` for each of ``keys``: one filter pass, one lock."""
+        present = self._manifest.contains_many(keys)
+        if self._pending and not present.all():
+            bit = 1 << shard
+            with self._lock:
+                for i in np.flatnonzero(~present).tolist():
+                    entry = self._pending.get(bytes(keys[i]))
+                    present[i] = entry is not None and bool(entry.mask & bit)
+        return present
 
     def count_leading(self, shard: int, keys: Sequence[bytes]) -> int:
         """Length of the leading run of ``keys`` that :meth:`may_contain` for ``shard``."""
@@ -246,6 +258,10 @@ class ShardView:
     def count_leading(self, keys: Sequence[bytes]) -> int:
         """Length of the leading run of ``keys`` that :meth:`may_contain`. No network."""
         return self.presence.count_leading(self.shard, keys)
+
+    def contains_many(self, keys: Sequence[bytes]) -> npt.NDArray[np.bool_]:
+        """:meth:`may_contain` for each of ``keys`` (one vectorized pass). No network."""
+        return self.presence.contains_many(self.shard, keys)
 
     def record_write(self, key: BlockHash, parent: BlockHash, size: int) -> None:
         """This shard wrote its part of ``key`` (``size`` stored bytes)."""
