@@ -24,8 +24,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from _emulator import one_torch_thread, prompt, tiny_model
+from _emulator import one_torch_thread, prompt
 from conftest import unique_bucket
+from test_connector_outage import engine, serve
 from test_connector_tp_faults import current_rank, register_two_ranks
 from test_connector_trtllm import PROMPT, Request, instance, pool
 
@@ -34,14 +35,10 @@ from s3kv.connector import trtllm
 from s3kv.connector.shared import ProcessState, process_state
 from s3kv.keys import ROOT_HASH, BlockHash
 from s3kv.store import KVStore, SaveStatus
-from s3kv.testing.emulator.executor import PyExecutorEmulator
-from s3kv.testing.emulator.instance import S3KV_CONNECTOR
-from s3kv.testing.emulator.llm_args import KvCacheConfig, TorchLlmArgs
 from s3kv.testing.faultproxy import Fault, FaultProxy
 
 #: Generous: measured about 5 s here (the check's read timeout); it was 90 s before.
 STARTUP_BOUND_S = 20.0
-TPB = 8
 
 # ----------------------------------------------------------------------------------------
 # Network faults
@@ -141,21 +138,6 @@ def test_a_blackholed_endpoint_costs_seconds_and_the_connector_starts_degraded(
 # ----------------------------------------------------------------------------------------
 # (b), (c) a bucket failing at startup: degraded, then it saves, and the next instance claims
 # ----------------------------------------------------------------------------------------
-
-
-def engine(connector: bool) -> PyExecutorEmulator:
-    args = TorchLlmArgs(
-        kv_cache_config=KvCacheConfig(tokens_per_block=TPB, enable_partial_reuse=False),
-        kv_connector_config=S3KV_CONNECTOR if connector else None,
-        disable_overlap_scheduler=True,
-    )
-    return PyExecutorEmulator(args, tiny_model(TPB), num_blocks=96)
-
-
-def serve(executor: PyExecutorEmulator, tokens: list[int]) -> tuple[list[int], int]:
-    (result,) = executor.generate([tokens], 4)
-    executor.drain()
-    return list(result.output_tokens), result.connector_tokens
 
 
 FAULTS = {"503": Fault.error(503), "reset": Fault.reset(), "blackhole": Fault.blackhole()}
