@@ -388,6 +388,14 @@ class S3KVConfig:
     io_threads: int = _plain(
         8, "Threads doing GET/PUT + codec work (the one I/O pool), >= 1.", low=1
     )
+    codec_processes: int = _plain(
+        0,
+        "Processes doing block GET/PUT and codec work, 0..64; 0 does it in the I/O threads. "
+        "Off the engine's interpreter, they neither slow its forward loop nor share its GIL "
+        "(io_threads is then the total GET/PUT concurrency).",
+        low=0,
+        high=64,
+    )
     codec: CodecName = _plain(
         "planes-zstd",
         "Block codec: planes-zstd, zstd or raw.",

@@ -43,18 +43,20 @@ import numpy.typing as npt
 from s3kv import codec
 from s3kv._logonce import LogOnce
 from s3kv._logsetup import apply_log_level
-from s3kv.auth import MAX_OVERHEAD, Keyring, load_keyring, seal, unseal
+from s3kv.arena import SlabArena
+from s3kv.auth import MAX_OVERHEAD, Keyring, load_keyring, seal
 from s3kv.config import S3KVConfig
 from s3kv.errors import (
     CodecError,
     KeyDerivationError,
     ObjectTooLargeError,
-    SizeMismatchError,
+    S3KVError,
     StorageError,
 )
 from s3kv.keys import BlockHash, ModelIdentity, block_object_key, identity_object_key
 from s3kv.manifest import CompactionPolicy, Manifest, UsageTable, load_usage
 from s3kv.metrics import Export, Metrics, exporter
+from s3kv.offload import CodecProcesses, FetchJob, Outcome, SaveJob, open_stored
 from s3kv.pool import IOPool, Priority
 from s3kv.quarantine import Quarantine
 from s3kv.staging import HostAllocator, HostBuffer, StagingCache
@@ -173,6 +175,9 @@ class KVStore:
         block_nbytes: Raw size every block must have, if known (checked on decode).
         manifest_fingerprint: Where the manifest lives, if not under ``fingerprint``.
         keyring: Block keys (``auth_keys``): seal every save, open only sealed blocks.
+        codec_processes: Where GET→decode and encode→PUT run for blocks in shared memory
+            (the staging allocator when it is a :class:`~s3kv.arena.SlabArena`, and
+            :meth:`save_arena`'s); the store closes them. Other blocks stay in the pool.
     """
 
     def __init__(
@@ -188,6 +193,7 @@ class KVStore:
         block_nbytes: int | None = None,
         manifest_fingerprint: str | None = None,
         keyring: Keyring | None = None,
+        codec_processes: CodecProcesses | None = None,
     ) -> None:
         self.metrics = metrics or Metrics()
         self.backend = (
@@ -223,6 +229,12 @@ class KVStore:
         self._probing = False
         self._log_once = LogOnce(logger)
         self._exports: list[Export] = []
+        self._offload = codec_processes
+        #: Shared-memory arenas the codec processes may read and write (by path).
+        self._arenas: list[SlabArena] = [allocator] if isinstance(allocator, SlabArena) else []
+        self._own_arenas: list[SlabArena] = []
+        if codec_processes is not None:
+            self.metrics.watch("codec_processes_alive", lambda: float(codec_processes.alive))
         self.metrics.set("staging_capacity_bytes", config.staging_bytes)
         self.metrics.watch("store_pending", lambda: 0.0 if self.ready else 1.0)
         self.metrics.set("inflight_save_limit_bytes", config.max_inflight_save_bytes)
@@ -304,6 +316,9 @@ class KVStore:
             if identity.kv_dtype in {d.value for d in codec.DType}
             else None
         )
+        offload, staging_arena = _start_codec_processes(
+            config, keyring, block_nbytes, injected=backend is not None, allocator=allocator
+        )
         try:
             store = cls(
                 backend=instrumented,
@@ -311,15 +326,20 @@ class KVStore:
                 fingerprint=fingerprint,
                 config=config,
                 metrics=metrics,
-                allocator=allocator,
                 pool=pool,
                 block_nbytes=block_nbytes,
                 manifest_fingerprint=manifest.fingerprint if manifest is not None else None,
                 keyring=keyring,
+                allocator=staging_arena or allocator,
+                codec_processes=offload,
             )
         except BaseException:
             opened.close(flush=False, timeout=0.0)  # NOTE: stops a pending opening too
+            if offload is not None:
+                offload.close(timeout=0.0)
             raise
+        if staging_arena is not None:
+            store._own_arenas.append(staging_arena)
         store._opening = pending
         store.export(shard=identity.tp_rank)
         if pending is None:
@@ -589,23 +609,21 @@ class KVStore:
 
     def _fetch(self, key: BlockHash) -> None:
         object_key = self.object_key(key)
+        finish = True
         try:
             if key in self.quarantine:
                 self.metrics.inc("prefetch_quarantined")
+                return
+            if self._offload is not None and self._fetch_elsewhere(key, object_key):
+                finish = False  # NOTE: the outcome's callback finishes it
                 return
             stored = self.backend.get(object_key, max_bytes=self._max_object_bytes)
             if stored is None:
                 self.metrics.inc("prefetch_not_found")
                 return
-            blob: bytes | memoryview = stored
-            if self.keyring is not None:
-                blob = unseal(stored, object_key=object_key, keyring=self.keyring)
-            header = codec.read_header(blob)
-            if self.block_nbytes is not None and header.raw_len != self.block_nbytes:
-                raise SizeMismatchError(
-                    f"object holds {header.raw_len} raw bytes; the model's block is "
-                    f"{self.block_nbytes}"
-                )
+            blob, header = open_stored(
+                stored, object_key=object_key, keyring=self.keyring, block_nbytes=self.block_nbytes
+            )
             buffer = self.staging.allocate(header.raw_len)
             if buffer is None:
                 self.metrics.inc("prefetch_no_room")
@@ -615,25 +633,113 @@ class KVStore:
             except CodecError:
                 self.staging.release(buffer)
                 raise
-            self.staging.insert(key, buffer)
-            self.metrics.inc("prefetch_staged")
-            self.metrics.inc("stage_raw_bytes", header.raw_len)
-            self.metrics.inc("stage_stored_bytes", len(stored))
-        except (CodecError, ObjectTooLargeError) as exc:
+            self._staged(key, buffer, len(stored))
+        except (CodecError, StorageError) as exc:
+            self._fetch_failed(key, object_key, exc)
+        finally:
+            if finish:
+                self._fetch_done(key)
+
+    def _staged(self, key: BlockHash, buffer: HostBuffer, stored_len: int) -> None:
+        self.staging.insert(key, buffer)
+        self.metrics.inc("prefetch_staged")
+        self.metrics.inc("stage_raw_bytes", buffer.nbytes)
+        self.metrics.inc("stage_stored_bytes", stored_len)
+
+    def _fetch_failed(
+        self, key: BlockHash, object_key: str, exc: CodecError | StorageError
+    ) -> None:
+        if isinstance(exc, CodecError | ObjectTooLargeError):
             # NOTE: an object longer than any block of this model is junk: never read, a miss
             # like a corrupt one (the GET stopped at its Content-Length).
             self.quarantine.add(key)
             self.metrics.inc("corrupt_objects", kind=exc.kind)
             self.metrics.inc("prefetch_failed")
             self._log_failure(f"verifying {object_key}", exc)
-        except StorageError as exc:
+        else:
             self.metrics.inc("prefetch_failed")
             self._log_failure("prefetch", exc)
+
+    def _record_request(self, op: str, outcome: Outcome) -> None:
+        """Count a codec process's request as a local one; raise its failure, if any."""
+        error = outcome.request_error.rebuild() if outcome.request_error is not None else None
+        if outcome.requested:
+            size = outcome.stored_len if error is None else 0
+            self.backend.record(
+                op,
+                outcome.seconds,
+                error if isinstance(error, StorageError) else None,
+                received=size if op == "get" else 0,
+                sent=size if op == "put" and outcome.found else 0,
+            )
+        else:
+            self.backend.withdraw()
+        if error is not None:
+            raise error
+
+    def _fetch_done(self, key: BlockHash) -> None:
+        with self._lock:
+            event = self._fetching.pop(key, None)
+        if event is not None:
+            event.set()
+
+    def _fetch_elsewhere(self, key: BlockHash, object_key: str) -> bool:
+        """Hand the fetch of ``key`` to a codec process; ``False`` when this thread must do it.
+
+        The slot is reserved first (the processes decode into it) and belongs to the job
+        until its outcome (:meth:`_fetched`), which inserts or releases it.
+
+        Raises:
+            StorageError: the breaker refused the request.
+        """
+        arena = self._arenas[0] if self._arenas else None
+        offload = self._offload
+        if (
+            offload is None
+            or arena is None
+            or arena.slot_bytes != self.block_nbytes
+            or not offload.alive
+        ):
+            return False
+        buffer = self.staging.allocate(arena.slot_bytes)
+        if buffer is None:
+            self.metrics.inc("prefetch_no_room")
+            self._fetch_done(key)
+            return True
+        try:
+            self.backend.admit("get")
+        except StorageError:
+            self.staging.release(buffer)
+            raise
+        job = FetchJob(
+            object_key, arena.path, arena.slot_bytes, arena.slot_of(buffer), self._max_object_bytes
+        )
+        if offload.submit(job, functools.partial(self._fetched, key, object_key, buffer)):
+            return True
+        self.staging.release(buffer)
+        self.backend.withdraw()
+        return False
+
+    def _fetched(
+        self, key: BlockHash, object_key: str, buffer: HostBuffer, outcome: Outcome
+    ) -> None:
+        """A codec process's fetch of ``key`` into ``buffer`` ended (on its reader thread)."""
+        inserted = False
+        try:
+            self._record_request("get", outcome)
+            if outcome.codec_error is not None:
+                raise outcome.codec_error.rebuild()
+            if not outcome.found:
+                self.metrics.inc("prefetch_not_found")
+                return
+            self._staged(key, buffer, outcome.stored_len)
+            inserted = True
+        except (CodecError, StorageError) as exc:
+            self._fetch_failed(key, object_key, exc)
         finally:
-            with self._lock:
-                event = self._fetching.pop(key, None)
-            if event is not None:
-                event.set()
+            if not inserted:
+                self.staging.release(buffer)
+            self._fetch_done(key)
 
     # --- save: encode → PUT → manifest ---
 
@@ -673,6 +779,10 @@ class KVStore:
             return status
         self.metrics.inc("save_submitted")
         dtype_enum = codec.DType(dtype)
+        if self._offload is not None and self._write_elsewhere(
+            key, parent, data, dtype_enum, shape, nbytes, on_consumed
+        ):
+            return SaveStatus.QUEUED
 
         def task() -> None:
             self._write(key, parent, data, dtype_enum, shape, nbytes, on_consumed)
@@ -743,23 +853,138 @@ class KVStore:
             rewrite = key in self.quarantine
             conditional = self.backend.capabilities.conditional_put and not rewrite
             written = self.backend.put(object_key, blob, if_absent=conditional)
-            if rewrite:
-                self.quarantine.discard(key)
-                self.metrics.inc("save_rewrote_quarantined")
-            # A refused conditional PUT means another instance wrote the same bytes: the key
-            # exists either way, so the manifest records it as written.
-            self.manifest.record_write(key, parent, len(blob))
-            if written:
-                self.metrics.inc("save_completed")
-                self.metrics.inc("save_raw_bytes", nbytes)
-                self.metrics.inc("save_stored_bytes", len(blob))
-            else:
-                self.metrics.inc("save_skipped_existing")
+            self._saved(key, parent, nbytes, len(blob), written=written, rewrite=rewrite)
         except (StorageError, CodecError) as exc:
             self.metrics.inc("save_failed")
             self._log_failure("save", exc)
         finally:
             self._finish_save(key, nbytes)
+
+    def _saved(
+        self,
+        key: BlockHash,
+        parent: BlockHash,
+        nbytes: int,
+        stored_len: int,
+        *,
+        written: bool,
+        rewrite: bool,
+    ) -> None:
+        if rewrite:
+            self.quarantine.discard(key)
+            self.metrics.inc("save_rewrote_quarantined")
+        # A refused conditional PUT means another instance wrote the same bytes: the key
+        # exists either way, so the manifest records it as written.
+        self.manifest.record_write(key, parent, stored_len)
+        if written:
+            self.metrics.inc("save_completed")
+            self.metrics.inc("save_raw_bytes", nbytes)
+            self.metrics.inc("save_stored_bytes", stored_len)
+        else:
+            self.metrics.inc("save_skipped_existing")
+
+    def _write_elsewhere(
+        self,
+        key: BlockHash,
+        parent: BlockHash,
+        data: HostBuffer | bytes | memoryview,
+        dtype: codec.DType,
+        shape: tuple[int, ...],
+        nbytes: int,
+        on_consumed: Callable[[], None] | None,
+    ) -> bool:
+        """Hand an admitted save to a codec process; ``False`` when the pool must do it.
+
+        Only a block in one of the store's arenas can go (the process reads it there).
+        """
+        offload = self._offload
+        located = self._locate(data)
+        if offload is None or located is None or not offload.alive:
+            return False
+        arena, slot = located
+        try:
+            self.backend.admit("put")
+        except StorageError as exc:
+            self.metrics.inc("save_failed")
+            self._log_failure("save", exc)
+            self._finish_save(key, nbytes)
+            if on_consumed is not None:
+                on_consumed()
+            return True
+        rewrite = key in self.quarantine
+        job = SaveJob(
+            self.object_key(key),
+            arena.path,
+            arena.slot_bytes,
+            slot,
+            nbytes,
+            dtype.value,
+            tuple(shape),
+            int(self._codec),
+            self.config.compression_level,
+            self.backend.capabilities.conditional_put and not rewrite,
+        )
+        done = functools.partial(self._put_done, key, parent, nbytes, on_consumed, rewrite)
+        if offload.submit(job, done):
+            return True
+        self.backend.withdraw()
+        return False
+
+    def _put_done(
+        self,
+        key: BlockHash,
+        parent: BlockHash,
+        nbytes: int,
+        on_consumed: Callable[[], None] | None,
+        rewrite: bool,
+        outcome: Outcome,
+    ) -> None:
+        """A codec process's save of ``key`` ended (on its reader thread)."""
+        try:
+            if on_consumed is not None:
+                on_consumed()
+            self._record_request("put", outcome)
+            if outcome.codec_error is not None:
+                raise outcome.codec_error.rebuild()
+            self._saved(
+                key, parent, nbytes, outcome.stored_len, written=outcome.found, rewrite=rewrite
+            )
+        except (StorageError, CodecError) as exc:
+            self.metrics.inc("save_failed")
+            self._log_failure("save", exc)
+        finally:
+            self._finish_save(key, nbytes)
+
+    def _locate(self, data: object) -> tuple[SlabArena, int] | None:
+        """The arena and slot ``data`` is (exactly one whole slot), if it is one."""
+        if not isinstance(data, np.ndarray) or not self._arenas:
+            return None
+        for arena in self._arenas:
+            if data.nbytes != arena.slot_bytes:
+                continue
+            try:
+                return arena, arena.slot_of(data)
+            except ValueError:
+                continue
+        return None
+
+    def save_arena(self, slot_bytes: int, budget_bytes: int) -> SlabArena | None:
+        """Shared memory for blocks to be saved, which codec processes read in place.
+
+        ``None`` without codec processes (plain or pinned buffers then serve as well). The
+        store owns the arena: it is closed with the store, after the last save.
+        """
+        if self._offload is None:
+            return None
+        try:
+            arena = SlabArena.create(slot_bytes, budget_bytes, tag="save-")
+        except S3KVError as exc:
+            logger.warning("s3kv: %s; saves are encoded in the I/O threads", exc)
+            return None
+        with self._lock:
+            self._arenas.append(arena)
+            self._own_arenas.append(arena)
+        return arena
 
     def _finish_save(self, key: BlockHash, nbytes: int) -> None:
         with self._lock:
@@ -798,6 +1023,10 @@ class KVStore:
             self._closed = True
             self._save_space.notify_all()
         pool_done = self._pool.shutdown(timeout=max(0.0, deadline - time.monotonic()))
+        if self._offload is not None:
+            pool_done = self._offload.close(max(0.0, deadline - time.monotonic())) and pool_done
+        for arena in self._own_arenas:
+            arena.close()  # NOTE: the memory lives on while staged views still use it
         self.manifest.close(flush=True, timeout=max(0.0, deadline - time.monotonic()))
         with self._lock:
             exports, self._exports = self._exports, []
@@ -864,6 +1093,47 @@ def _finish_open(
             flush_keys=config.manifest_flush_keys,
         )
     return own
+
+
+def _start_codec_processes(
+    config: S3KVConfig,
+    keyring: Keyring | None,
+    block_nbytes: int | None,
+    *,
+    injected: bool,
+    allocator: HostAllocator | None,
+) -> tuple[CodecProcesses | None, SlabArena | None]:
+    """The codec processes ``codec_processes`` asks for, and a staging arena when the caller
+    gave no allocator; ``(None, None)`` with one WARNING when they cannot work here."""
+    if not config.codec_processes:
+        return None, None
+    if injected or block_nbytes is None:
+        # NOTE: the processes open the bucket from the settings, and fill fixed-size slots.
+        logger.warning(
+            "s3kv: codec_processes: %s; doing the codec in the I/O threads",
+            "the store was given its backend" if injected else "the block size is unknown",
+        )
+        return None, None
+    arena: SlabArena | None = None
+    try:
+        if allocator is None:
+            arena = SlabArena.create(block_nbytes, config.staging_bytes, tag="staging-")
+        processes = config.codec_processes
+        offload = CodecProcesses(
+            config,
+            processes=processes,
+            threads=-(-config.io_threads // processes),
+            keyring=keyring,
+        )
+    except (OSError, S3KVError) as exc:
+        logger.warning(
+            "s3kv: codec_processes: cannot start them (%s); doing the codec in the I/O threads",
+            exc,
+        )
+        if arena is not None:
+            arena.close()
+        return None, None
+    return offload, arena
 
 
 def _discard_manifest(manifest: ManifestLike) -> None:

@@ -286,7 +286,7 @@ def test_staging_arena_is_shared_and_leaves_nothing_behind(tmp_path: Any) -> Non
     import subprocess
     import sys
 
-    from s3kv.connector.arena import SlabArena
+    from s3kv.arena import SlabArena
 
     before = set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
     arena = SlabArena.create(16, 64, tag="t")
@@ -295,7 +295,7 @@ def test_staging_arena_is_shared_and_leaves_nothing_behind(tmp_path: Any) -> Non
     index = arena.slot_of(slot)
     # Another process maps the region by rank 0's descriptor path and reads the slot.
     code = (
-        "from s3kv.connector.arena import SlabArena; "
+        "from s3kv.arena import SlabArena; "
         f"a = SlabArena.attach({arena.path!r}, 16); print(a.view({index}).tolist())"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)

@@ -30,8 +30,8 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from s3kv.arena import SlabArena
 from s3kv.config import S3KVConfig
-from s3kv.connector.arena import SlabArena
 from s3kv.connector.relay import RelayedManifest, RelayPump, WriteRelay
 from s3kv.errors import StorageError
 from s3kv.keys import BlockHash, ModelIdentity, identity_object_key, layout_fingerprint
@@ -294,7 +294,7 @@ class ShardStores:
     """One store per tensor-parallel shard, used together by the scheduler on rank 0.
 
     A block counts as staged only when every shard is staged; pins are all-or-nothing. Under
-    tensor parallelism each shard stages into its own :class:`~s3kv.connector.arena.SlabArena`
+    tensor parallelism each shard stages into its own :class:`~s3kv.arena.SlabArena`
     (shared memory the other ranks map), and :meth:`slots` names, per rank, the slot holding
     a claimed block. The connector claims only through :meth:`claim`, which is
     :meth:`KVStore.claim <s3kv.store.KVStore.claim>` taken over every shard.

@@ -29,9 +29,9 @@ import threading
 from collections.abc import Callable
 from typing import Any, TypeVar
 
+from s3kv.arena import SlabArena
 from s3kv.config import S3KVConfig
 from s3kv.connector.api import SchedulerBase, SchedulerOutput, WorkerBase
-from s3kv.connector.arena import SlabArena
 from s3kv.connector.comm import Collectives, get_collectives
 from s3kv.connector.completion import CompletionBoard
 from s3kv.connector.envelope import envelope_problems, envelope_warnings, pool_dtype_problem

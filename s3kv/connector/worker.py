@@ -34,7 +34,7 @@ from typing import Any
 
 import numpy as np
 
-from s3kv.connector.arena import SlabArena
+from s3kv.arena import SlabArena
 from s3kv.connector.completion import CompletionBoard
 from s3kv.connector.device import (
     DONE,

@@ -81,6 +81,11 @@ class CircuitBreaker:
                 return
         raise CircuitOpenError("s3kv: object store marked unhealthy; skipping the request")
 
+    def cancel(self) -> None:
+        """An admitted request was not made after all: a half-open probe may be admitted again."""
+        with self._lock:
+            self._probing = False
+
     def record_success(self) -> None:
         """A request succeeded: close the circuit."""
         with self._lock:

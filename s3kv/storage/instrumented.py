@@ -77,6 +77,48 @@ class InstrumentedBackend(DelegatingBackend):
         elif exc.kind not in NEUTRAL_KINDS:
             self.breaker.record_failure()
 
+    def admit(self, op: str) -> None:
+        """Ask the breaker to admit a request another process will make for this backend.
+
+        Raises:
+            CircuitOpenError: while open (counted as a failed ``op``, as a local refusal).
+        """
+        if self.breaker is None:
+            return
+        try:
+            self.breaker.before_request()
+        except StorageError as exc:
+            self._failed(op, exc)
+            raise
+
+    def withdraw(self) -> None:
+        """An admitted request will not be made (see :meth:`admit`)."""
+        if self.breaker is not None:
+            self.breaker.cancel()
+
+    def record(
+        self,
+        op: str,
+        seconds: float,
+        error: StorageError | None,
+        *,
+        received: int = 0,
+        sent: int = 0,
+    ) -> None:
+        """Count, time and report to the breaker a request made elsewhere (after
+        :meth:`admit`), exactly as if it had been made here."""
+        self.metrics.inc("requests", op=op)
+        self.metrics.observe("request_seconds", seconds, op=op)
+        if error is not None:
+            self._failed(op, error)
+            return
+        if self.breaker is not None:
+            self.breaker.record_success()
+        if received:
+            self.metrics.inc("bytes_received", received)
+        if sent:
+            self.metrics.inc("bytes_sent", sent)
+
     def get(self, key: str, *, max_bytes: int | None = None) -> bytes | None:
         # NOTE: an object refused for max_bytes counts as request_errors{op=get,
         # kind=too_large}, and as a success for the breaker: the server answered.

@@ -1,0 +1,28 @@
+"""Codec processes: block GET/PUT and codec work beside the engine's interpreter. Import here.
+
+Parts (users import this front, never the parts):
+
+* ``jobs`` — :class:`FetchJob`, :class:`SaveJob` and :class:`Outcome`: what crosses between a
+  store and its processes (tuples of builtins; block bytes stay in shared memory).
+* ``processes`` — :class:`CodecProcesses`, the store's side: starts the processes, batches
+  jobs to them, delivers outcomes, and survives their death.
+* ``child`` — the process itself (``python -m s3kv.offload.child FD``).
+* ``work`` — one job's work, and :func:`open_stored`, the one way a stored block is opened
+  (the store's in-thread path uses it too).
+
+A store uses them when ``codec_processes`` > 0 (:mod:`s3kv.store`).
+"""
+
+from s3kv.offload.jobs import Failure, FetchJob, Job, Outcome, SaveJob
+from s3kv.offload.processes import CodecProcesses
+from s3kv.offload.work import open_stored
+
+__all__ = [
+    "CodecProcesses",
+    "Failure",
+    "FetchJob",
+    "Job",
+    "Outcome",
+    "SaveJob",
+    "open_stored",
+]

@@ -1,0 +1,136 @@
+"""A codec process: ``python -m s3kv.offload.child FD``, started by :class:`CodecProcesses`.
+
+It reads pickled lists of ``(job_id, job)`` from the socket ``FD``, runs them on its own
+threads (its own interpreter, its own GIL, its own bucket client) and writes back pickled
+lists of :class:`~s3kv.offload.jobs.Outcome`, as many as are ready per message.
+
+The first message is the setup: ``(config, secrets, sealing_id, accept_unsigned, threads)``.
+If the setup fails the process answers ``("setup_failed", line)`` and exits.
+
+It exits when the socket closes (its store closed, or its process died) — at once: a
+job still running then has nobody left to answer and nothing of it is needed.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import queue
+import sys
+import threading
+from multiprocessing.connection import Connection
+from typing import Any
+
+from s3kv.arena import SlabArena
+from s3kv.auth import Keyring
+from s3kv.config import S3KVConfig
+from s3kv.offload import work
+from s3kv.offload.jobs import Failure, FetchJob, Job, Outcome
+from s3kv.storage import Backend, open_backend
+
+
+class _Arenas:
+    """The store's arenas, mapped on first use (by path)."""
+
+    def __init__(self) -> None:
+        self._mapped: dict[str, SlabArena] = {}
+        self._lock = threading.Lock()
+
+    def get(self, path: str, slot_bytes: int) -> SlabArena:
+        with self._lock:
+            arena = self._mapped.get(path)
+            if arena is None:
+                arena = SlabArena.attach(path, slot_bytes)
+                self._mapped[path] = arena
+            return arena
+
+
+class _Replies:
+    """Outcomes waiting to be sent; one sender thread coalesces them into messages."""
+
+    def __init__(self, conn: Connection) -> None:
+        self._conn = conn
+        self._ready: list[Outcome] = []
+        self._cond = threading.Condition()
+
+    def put(self, outcome: Outcome) -> None:
+        with self._cond:
+            self._ready.append(outcome)
+            self._cond.notify()
+
+    def run(self) -> None:
+        while True:
+            with self._cond:
+                self._cond.wait_for(lambda: bool(self._ready))
+                batch, self._ready = self._ready, []
+            try:
+                self._conn.send_bytes(pickle.dumps(batch, pickle.HIGHEST_PROTOCOL))
+            except OSError:
+                os._exit(0)  # NOTE: the store is gone; nobody needs the rest
+
+
+def _crash_outcome(job_id: int, job: Job, exc: BaseException) -> Outcome:
+    """An unexpected error in a job: reported as a request failure, never silent."""
+    failure = Failure("StorageError", f"codec process: {type(exc).__name__}: {exc}", "codec")
+    return Outcome(job_id, False, 0.0, failure, False, 0, None)
+
+
+def _worker(
+    jobs: queue.SimpleQueue[tuple[int, Job]],
+    replies: _Replies,
+    backend: Backend,
+    arenas: _Arenas,
+    keyring: Keyring | None,
+) -> None:
+    while True:
+        job_id, job = jobs.get()
+        try:
+            arena = arenas.get(job.arena, job.slot_bytes)
+            if isinstance(job, FetchJob):
+                outcome = work.fetch(job_id, job, backend, arena, keyring)
+            else:
+                outcome = work.save(job_id, job, backend, arena, keyring)
+        except Exception as exc:  # NOTE: one broken job must not stop the others
+            outcome = _crash_outcome(job_id, job, exc)
+        replies.put(outcome)
+
+
+def _setup(message: Any) -> tuple[Backend, Keyring | None, int]:
+    config, secrets, sealing_id, accept_unsigned, threads = message
+    if not isinstance(config, S3KVConfig):
+        raise TypeError("the first message is not a setup")
+    keyring = Keyring(dict(secrets), sealing_id, accept_unsigned) if secrets else None
+    return open_backend(config), keyring, int(threads)
+
+
+def main(fd: int) -> None:
+    conn = Connection(fd)
+    try:
+        backend, keyring, threads = _setup(pickle.loads(conn.recv_bytes()))
+    except EOFError:
+        return
+    except Exception as exc:  # NOTE: reported to the store, which logs one line
+        conn.send_bytes(pickle.dumps(("setup_failed", f"{type(exc).__name__}: {exc}")))
+        return
+    jobs: queue.SimpleQueue[tuple[int, Job]] = queue.SimpleQueue()
+    replies = _Replies(conn)
+    arenas = _Arenas()
+    threading.Thread(target=replies.run, name="s3kv-codec-send", daemon=True).start()
+    for i in range(max(1, threads)):
+        threading.Thread(
+            target=_worker,
+            args=(jobs, replies, backend, arenas, keyring),
+            name=f"s3kv-codec-{i}",
+            daemon=True,
+        ).start()
+    while True:
+        try:
+            batch = pickle.loads(conn.recv_bytes())
+        except (EOFError, OSError):
+            os._exit(0)  # NOTE: daemon threads may be mid-request: leave without waiting
+        for item in batch:
+            jobs.put(item)
+
+
+if __name__ == "__main__":
+    main(int(sys.argv[1]))

@@ -1,0 +1,112 @@
+"""What crosses between the store and its codec processes: jobs, outcomes, failures.
+
+Everything here is a plain tuple of builtins, so one ``pickle`` of a list of them is one
+message on the socket, in both directions. Block bytes never cross: a job names a slot of a
+shared-memory arena (:class:`~s3kv.arena.SlabArena`) by the arena's path and the slot's index.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+from s3kv import errors
+
+
+class FetchJob(NamedTuple):
+    """GET ``object_key``, open and verify it, decode it into ``slot`` of ``arena``.
+
+    Attributes:
+        object_key: The block's object key.
+        arena: Path of the arena (``/proc/<pid>/fd/<fd>`` of the store's process).
+        slot_bytes: Size of every slot of that arena: the raw block size expected.
+        slot: Index of the slot to fill.
+        max_bytes: Refuse objects longer than this before reading the body.
+    """
+
+    object_key: str
+    arena: str
+    slot_bytes: int
+    slot: int
+    max_bytes: int
+
+
+class SaveJob(NamedTuple):
+    """Encode the first ``nbytes`` of ``slot`` of ``arena``, seal, PUT as ``object_key``.
+
+    Attributes:
+        object_key: The block's object key.
+        arena: Path of the arena holding the raw block.
+        slot_bytes: Size of every slot of that arena.
+        slot: Index of the slot to read (unchanged until the outcome arrives).
+        nbytes: Raw bytes of the block.
+        dtype: :class:`~s3kv.codec.DType` value.
+        shape: Logical shape, recorded in the header.
+        codec: :class:`~s3kv.codec.CodecId` value.
+        level: zstd level.
+        if_absent: Conditional PUT (If-None-Match).
+    """
+
+    object_key: str
+    arena: str
+    slot_bytes: int
+    slot: int
+    nbytes: int
+    dtype: str
+    shape: tuple[int, ...]
+    codec: int
+    level: int
+    if_absent: bool
+
+
+Job = FetchJob | SaveJob
+
+
+class Failure(NamedTuple):
+    """An :class:`~s3kv.errors.S3KVError` raised in a codec process, to raise again here."""
+
+    name: str
+    message: str
+    kind: str
+
+    @classmethod
+    def of(cls, exc: errors.S3KVError) -> Failure:
+        return cls(type(exc).__name__, str(exc), str(getattr(exc, "kind", "")))
+
+    def rebuild(self) -> errors.S3KVError:
+        """The same class, message and ``kind`` (a generic one for an unknown class)."""
+        kind_cls = getattr(errors, self.name, None)
+        exc: errors.S3KVError
+        if isinstance(kind_cls, type) and issubclass(kind_cls, errors.AuthenticationError):
+            exc = kind_cls(self.message, self.kind)
+        elif isinstance(kind_cls, type) and issubclass(kind_cls, errors.S3KVError):
+            exc = kind_cls(self.message)
+        else:
+            exc = errors.StorageError(self.message)
+        if self.kind and getattr(exc, "kind", None) != self.kind:
+            exc.kind = self.kind  # type: ignore[attr-defined]
+        return exc
+
+
+class Outcome(NamedTuple):
+    """What a codec process did with one job.
+
+    Attributes:
+        job_id: The job's number in its store's process.
+        requested: Whether a request reached the bucket (counted and timed like a local one).
+        seconds: Time of that request.
+        request_error: The request failed (not found is not a failure: ``found`` is False).
+        found: GET: the object existed. SAVE: the PUT wrote it (False: ``if_absent`` refused).
+        stored_len: Bytes received (GET) or sent (PUT).
+        codec_error: The object did not open, verify or decode (GET), or encoding failed.
+    """
+
+    job_id: int
+    requested: bool
+    seconds: float
+    request_error: Failure | None
+    found: bool
+    stored_len: int
+    codec_error: Failure | None
+
+
+__all__ = ["Failure", "FetchJob", "Job", "Outcome", "SaveJob"]

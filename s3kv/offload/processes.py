@@ -1,0 +1,268 @@
+"""The store's side of its codec processes: start them, hand them jobs, deliver outcomes.
+
+Why processes: a block's codec work is C calls separated by Python glue, and the glue needs
+the one GIL of the engine's process. With 8 codec threads the engine's own thread (the
+forward loop) and the codec threads queue for it: decoding scaled 3.1× at 8 threads where
+the same code in 8 processes scaled 7.6×, and a decode step slowed by 40-300% while a
+prompt's blocks were being encoded (``benchmarks/results/``). A codec process does the GET
+or PUT too, so block bytes never pass through the engine's process: it reads and writes
+slots of shared memory (:class:`~s3kv.arena.SlabArena`) the store's process maps too.
+
+Costs here, per block: one tuple into a list (:meth:`CodecProcesses.submit`, from any
+thread), a share of one pickled message each way, and the outcome's callback on a reader
+thread. Jobs and outcomes are batched per message, so the per-block cost does not grow with
+the number of blocks in flight.
+
+Safety: a slot given to a job is written (or read) by that job's process until its outcome
+arrives, so the caller must not reuse it before. When a process dies, its reader waits for
+it to have exited before failing its outstanding jobs: a slot is never handed back while a
+process could still write it. No job ever waits on a timer.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import logging
+import os
+import pickle
+import socket
+import subprocess
+import sys
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from multiprocessing.connection import Connection
+
+from s3kv.auth import Keyring
+from s3kv.config import S3KVConfig
+from s3kv.offload.jobs import Failure, Job, Outcome
+
+logger = logging.getLogger(__name__)
+
+#: Seconds :meth:`CodecProcesses.close` gives a process to exit after its socket closes.
+_EXIT_GRACE = 5.0
+
+Done = Callable[[Outcome], None]
+
+
+@dataclass(eq=False)
+class _Child:
+    index: int
+    process: subprocess.Popen[bytes]
+    conn: Connection
+    sock: socket.socket
+    reader: threading.Thread | None = None
+    alive: bool = True
+    outbox: list[tuple[int, Job]] = field(default_factory=list)
+    pending: dict[int, Done] = field(default_factory=dict)
+
+
+class CodecProcesses:
+    """``processes`` codec processes, each running ``threads`` jobs at a time.
+
+    Args:
+        config: Settings; each process opens its own bucket client from them.
+        processes: How many processes (>= 1).
+        threads: Jobs each process runs at once (its GET/PUT concurrency).
+        keyring: Block keys, handed to the processes over their private sockets.
+        name: Prefix of the threads here.
+
+    Starting does not wait for the processes: jobs submitted meanwhile wait in their socket.
+    A process that fails its setup or dies is logged once and not replaced; its outstanding
+    jobs fail (as requests, kind ``codec``) once it has exited; :meth:`submit` then returns
+    ``False`` when no process is left, and the store does the work itself.
+    """
+
+    def __init__(
+        self,
+        config: S3KVConfig,
+        *,
+        processes: int,
+        threads: int,
+        keyring: Keyring | None = None,
+        name: str = "s3kv-codec",
+    ) -> None:
+        self._lock = threading.Lock()
+        self._wake = threading.Condition(self._lock)
+        self._ids = itertools.count()
+        self._closing = False
+        secrets = dict(keyring.secrets) if keyring is not None else {}
+        setup = (
+            config,
+            secrets,
+            keyring.sealing_id if keyring is not None else "",
+            keyring.accept_unsigned if keyring is not None else False,
+            threads,
+        )
+        self._children = [self._spawn(i, setup, name) for i in range(max(1, processes))]
+        for child in self._children:
+            child.reader = threading.Thread(
+                target=self._read_loop,
+                args=(child,),
+                name=f"{name}-read-{child.index}",
+                daemon=True,
+            )
+            child.reader.start()
+        self._sender = threading.Thread(target=self._send_loop, name=f"{name}-send", daemon=True)
+        self._sender.start()
+
+    @staticmethod
+    def _spawn(index: int, setup: object, name: str) -> _Child:
+        ours, theirs = socket.socketpair()
+        env = dict(os.environ)
+        # NOTE: the child imports s3kv from wherever this process did (a source tree too).
+        env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
+        try:
+            process = subprocess.Popen(
+                [sys.executable, "-m", "s3kv.offload.child", str(theirs.fileno())],
+                pass_fds=(theirs.fileno(),),
+                stdin=subprocess.DEVNULL,
+                env=env,
+                close_fds=True,
+            )
+        finally:
+            theirs.close()
+        # NOTE: the connection reads and writes a duplicate; the socket itself stays here so
+        # close() can shut its sending side, which ends the process's input.
+        conn = Connection(os.dup(ours.fileno()))
+        conn.send_bytes(pickle.dumps(setup, pickle.HIGHEST_PROTOCOL))
+        return _Child(index, process, conn, ours)
+
+    # --- queries ---
+
+    @property
+    def alive(self) -> int:
+        """Processes still working."""
+        with self._lock:
+            return sum(child.alive for child in self._children)
+
+    @property
+    def outstanding(self) -> int:
+        """Jobs submitted whose outcome has not been delivered yet."""
+        with self._lock:
+            return sum(len(child.pending) for child in self._children)
+
+    @property
+    def pids(self) -> list[int]:
+        """Process ids of the live processes."""
+        with self._lock:
+            return [child.process.pid for child in self._children if child.alive]
+
+    # --- jobs ---
+
+    def submit(self, job: Job, done: Done) -> bool:
+        """Queue ``job``; ``done(outcome)`` runs later on a reader thread, exactly once.
+
+        Returns ``False`` (and never calls ``done``) when closing or no process is alive.
+        ``done`` must not raise and must not call back into this object's :meth:`close`.
+        """
+        with self._lock:
+            live = [child for child in self._children if child.alive]
+            if self._closing or not live:
+                return False
+            child = min(live, key=lambda c: len(c.pending))
+            job_id = next(self._ids)
+            child.pending[job_id] = done
+            child.outbox.append((job_id, job))
+            self._wake.notify()
+        return True
+
+    def _send_loop(self) -> None:
+        while True:
+            with self._lock:
+                self._wake.wait_for(lambda: self._closing or any(c.outbox for c in self._children))
+                batches = [(c, c.outbox) for c in self._children if c.outbox]
+                for child, _ in batches:
+                    child.outbox = []
+                if self._closing and not batches:
+                    return
+            for child, batch in batches:
+                try:
+                    child.conn.send_bytes(pickle.dumps(batch, pickle.HIGHEST_PROTOCOL))
+                except OSError:
+                    # NOTE: its reader sees the end too and fails what is outstanding.
+                    logger.debug("s3kv: codec process %d: send failed", child.index)
+
+    def _read_loop(self, child: _Child) -> None:
+        reason = "exited"
+        try:
+            while True:
+                message = pickle.loads(child.conn.recv_bytes())
+                if isinstance(message, tuple) and message[:1] == ("setup_failed",):
+                    reason = f"failed to start: {message[1]}"
+                    break
+                for outcome in message:
+                    with self._lock:
+                        done = child.pending.pop(outcome.job_id, None)
+                        self._wake.notify_all()
+                    if done is not None:
+                        _deliver(done, outcome)
+        except (EOFError, OSError, pickle.UnpicklingError):
+            pass
+        self._died(child, reason)
+
+    def _died(self, child: _Child, reason: str) -> None:
+        with self._lock:
+            child.alive = False
+            closing = self._closing
+        # NOTE: only once the process is gone may its slots be handed back.
+        if child.process.poll() is None:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                child.process.wait(_EXIT_GRACE if closing else 0.0)
+            if child.process.poll() is None:
+                child.process.kill()
+                child.process.wait()
+        with self._lock:
+            orphans, child.pending = child.pending, {}
+            child.outbox = []
+            self._wake.notify_all()
+        if not closing or orphans:
+            logger.warning(
+                "s3kv: codec process %d (pid %d) %s (exit code %s); %d job(s) failed, %d "
+                "process(es) left",
+                child.index,
+                child.process.pid,
+                reason,
+                child.process.returncode,
+                len(orphans),
+                self.alive,
+            )
+        failure = Failure("StorageError", f"codec process {reason}", "codec")
+        for job_id, done in orphans.items():
+            _deliver(done, Outcome(job_id, False, 0.0, failure, False, 0, None))
+        child.conn.close()
+        child.sock.close()
+
+    # --- lifecycle ---
+
+    def close(self, timeout: float = 30.0) -> bool:
+        """Wait up to ``timeout`` for outstanding jobs, then stop every process.
+
+        Jobs still outstanding then fail (once their process has exited). Returns ``True``
+        when nothing was outstanding at the end. Idempotent.
+        """
+        with self._lock:
+            drained = self._wake.wait_for(
+                lambda: all(not c.pending for c in self._children), timeout=timeout
+            )
+            self._closing = True
+            self._wake.notify_all()
+        self._sender.join(timeout=_EXIT_GRACE)
+        for child in self._children:
+            with contextlib.suppress(OSError):  # NOTE: the process exits on end of input
+                child.sock.shutdown(socket.SHUT_WR)
+        for child in self._children:
+            if child.reader is not None:
+                child.reader.join(_EXIT_GRACE * 2)  # NOTE: its _died waits, then kills
+        return drained
+
+
+def _deliver(done: Done, outcome: Outcome) -> None:
+    try:
+        done(outcome)
+    except Exception:  # NOTE: a failing callback must not stop the reader
+        logger.exception("s3kv: handling a codec process's outcome failed")
+
+
+__all__ = ["CodecProcesses"]
