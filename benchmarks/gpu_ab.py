@@ -577,6 +577,7 @@ def run_shape(label: str, shape: dict[str, Any], args: argparse.Namespace) -> di
         "prefix_tokens": prefix_tokens, "profile": args.profile,
         "load_groups": [0 if v == "default" else _size(v) for v in args.load_groups.split(",")],
         "prompts": prompts(shape["vocab"], prefix_tokens, args.trials),
+        "codec_processes": args.codec_processes,
     }  # fmt: skip
     with tempfile.TemporaryDirectory(prefix="s3kv-ab-bucket-") as bucket:
         os.environ.update({
@@ -584,6 +585,7 @@ def run_shape(label: str, shape: dict[str, Any], args: argparse.Namespace) -> di
             "TLLM_S3KV_MODEL_REVISION": f"random-seed-{SEED}",
             "TLLM_S3KV_MANIFEST_COMPACTION": "off",  # NOTE: a 20 s maintenance cycle, no load
             "TLLM_S3KV_STAGING_BYTES": args.staging, "TLLM_S3KV_WARM_START_BYTES": args.staging,
+            "TLLM_S3KV_CODEC_PROCESSES": str(args.codec_processes),
         })  # fmt: skip
         started = time.perf_counter()
         written = run_tensor_parallel(1, writer, job, timeout=1800.0)[0]
@@ -625,6 +627,7 @@ def report(
         "shape": label, "device": written["device"], "layers": shape["layers"],
         "dtype": "bfloat16", "tokens_per_block": TPB,
         "prompt_tokens": job["prefix_tokens"] + SUFFIX, "prefix_tokens": job["prefix_tokens"],
+        "codec_processes": job.get("codec_processes", 0),
     }  # fmt: skip
     loaded = [r["connector_tokens"] // TPB for r in read["trials"]]
     load_bytes = statistics.median(loaded) * block_nbytes
@@ -709,6 +712,10 @@ def main() -> int:
     parser.add_argument("--prompt-tokens", type=int, default=8192 - 24)
     parser.add_argument("--new-tokens", type=int, default=16)
     parser.add_argument("--trials", type=int, default=4)
+    parser.add_argument(
+        "--codec-processes", type=int, default=0,
+        help="the codec_processes setting of both the writer and the reader",
+    )  # fmt: skip
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--staging", default="6GiB")
     parser.add_argument("--load-groups", default="default",

@@ -100,6 +100,7 @@ class SlabArena:
         # read-only flag is not supported everywhere). Only the owner ever writes.
         self._mmap = mmap.mmap(fd, slot_bytes * slots, access=mmap.ACCESS_WRITE)
         self._array = np.frombuffer(self._mmap, dtype=np.uint8)
+        self._base: int = self._array.__array_interface__["data"][0]
         self.pinned = _register_pinned(memoryview(self._mmap))
         self._free = list(range(slots - 1, -1, -1))
         self._lock = threading.Lock()
@@ -159,6 +160,20 @@ class SlabArena:
         offset = buffer.ctypes.data - self._array.ctypes.data
         if offset % self.slot_bytes or not 0 <= offset < self.slot_bytes * self.slots:
             raise ValueError("buffer is not a slot of this arena")
+        return offset // self.slot_bytes
+
+    def slot_at(self, buffer: HostBuffer) -> int | None:
+        """The slot ``buffer`` is exactly (a whole slot, from its start), else ``None``.
+
+        Cheap (no exception, no ctypes): the store asks it for every block it saves.
+        """
+        offset = int(buffer.__array_interface__["data"][0]) - self._base
+        if (
+            buffer.nbytes != self.slot_bytes
+            or offset % self.slot_bytes
+            or not 0 <= offset < self.slot_bytes * self.slots
+        ):
+            return None
         return offset // self.slot_bytes
 
     def view(self, slot: int) -> HostBuffer:

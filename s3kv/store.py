@@ -56,7 +56,7 @@ from s3kv.errors import (
 from s3kv.keys import BlockHash, ModelIdentity, block_object_key, identity_object_key
 from s3kv.manifest import CompactionPolicy, Manifest, UsageTable, load_usage
 from s3kv.metrics import Export, Metrics, exporter
-from s3kv.offload import CodecProcesses, FetchJob, Outcome, SaveJob, open_stored
+from s3kv.offload import CodecProcesses, Failure, FetchJob, Outcome, SaveJob, open_stored
 from s3kv.pool import IOPool, Priority
 from s3kv.quarantine import Quarantine
 from s3kv.staging import HostAllocator, HostBuffer, StagingCache
@@ -901,7 +901,24 @@ class KVStore:
         located = self._locate(data)
         if offload is None or located is None or not offload.alive:
             return False
-        arena, slot = located
+        job = self._save_job(key, parent, located, dtype, shape, nbytes, on_consumed)
+        if job is None or offload.submit(*job):
+            return True
+        self.backend.withdraw()
+        return False
+
+    def _save_job(
+        self,
+        key: BlockHash,
+        parent: BlockHash,
+        located: tuple[SlabArena, int],
+        dtype: codec.DType,
+        shape: tuple[int, ...],
+        nbytes: int,
+        on_consumed: Callable[[], None] | None,
+    ) -> tuple[SaveJob, Callable[[Outcome], None]] | None:
+        """The job of an admitted save, or ``None`` when the breaker refused it (counted,
+        finished and consumed here)."""
         try:
             self.backend.admit("put")
         except StorageError as exc:
@@ -910,7 +927,8 @@ class KVStore:
             self._finish_save(key, nbytes)
             if on_consumed is not None:
                 on_consumed()
-            return True
+            return None
+        arena, slot = located
         rewrite = key in self.quarantine
         job = SaveJob(
             self.object_key(key),
@@ -919,16 +937,57 @@ class KVStore:
             slot,
             nbytes,
             dtype.value,
-            tuple(shape),
+            shape,
             int(self._codec),
             self.config.compression_level,
             self.backend.capabilities.conditional_put and not rewrite,
         )
-        done = functools.partial(self._put_done, key, parent, nbytes, on_consumed, rewrite)
-        if offload.submit(job, done):
-            return True
-        self.backend.withdraw()
-        return False
+        return job, functools.partial(self._put_done, key, parent, nbytes, on_consumed, rewrite)
+
+    def save_many(
+        self,
+        blocks: Sequence[tuple[BlockHash, BlockHash, HostBuffer, Callable[[], None] | None]],
+        *,
+        dtype: codec.DType | str,
+        shape: tuple[int, ...],
+        checked: bool = False,
+    ) -> list[SaveStatus]:
+        """:meth:`save` for ``(key, parent, data, on_consumed)`` blocks of one dtype and shape.
+
+        The same contract per block; blocks in the store's arenas go to the codec processes
+        in one hand-off (the engine's thread pays one lock and one wake-up, not one each).
+        """
+        offload = self._offload
+        if offload is None or not offload.alive:
+            return [
+                self.save(k, p, d, dtype=dtype, shape=shape, on_consumed=c, checked=checked)
+                for k, p, d, c in blocks
+            ]
+        dtype_enum = codec.DType(dtype)
+        statuses: list[SaveStatus] = []
+        jobs: list[tuple[SaveJob, Callable[[Outcome], None]]] = []
+        for key, parent, data, on_consumed in blocks:
+            located = self._locate(data)
+            if located is None:
+                statuses.append(
+                    self.save(key, parent, data, dtype=dtype, shape=shape,
+                              on_consumed=on_consumed, checked=checked)
+                )  # fmt: skip
+                continue
+            status = self._admit_save(key, data.nbytes, checked)
+            statuses.append(status)
+            if status is not SaveStatus.QUEUED:
+                if on_consumed is not None:
+                    on_consumed()
+                continue
+            self.metrics.inc("save_submitted")
+            job = self._save_job(key, parent, located, dtype_enum, shape, data.nbytes, on_consumed)
+            if job is not None:
+                jobs.append(job)
+        if jobs and not offload.submit_many(jobs):
+            for _, done in jobs:  # NOTE: no process left: fail them as a dead process would
+                done(_NOT_SUBMITTED)
+        return statuses
 
     def _put_done(
         self,
@@ -959,13 +1018,10 @@ class KVStore:
         """The arena and slot ``data`` is (exactly one whole slot), if it is one."""
         if not isinstance(data, np.ndarray) or not self._arenas:
             return None
-        for arena in self._arenas:
-            if data.nbytes != arena.slot_bytes:
-                continue
-            try:
-                return arena, arena.slot_of(data)
-            except ValueError:
-                continue
+        for arena in reversed(self._arenas):  # NOTE: save arenas first: saves ask this
+            slot = arena.slot_at(data)
+            if slot is not None:
+                return arena, slot
         return None
 
     def save_arena(self, slot_bytes: int, budget_bytes: int) -> SlabArena | None:
@@ -1093,6 +1149,12 @@ def _finish_open(
             flush_keys=config.manifest_flush_keys,
         )
     return own
+
+
+#: The outcome of a save no codec process accepted (all of them died meanwhile).
+_NOT_SUBMITTED = Outcome(
+    -1, False, 0.0, Failure("StorageError", "no codec process is running", "codec"), False, 0, None
+)
 
 
 def _start_codec_processes(

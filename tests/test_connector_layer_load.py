@@ -82,6 +82,9 @@ class FakeStore:
     def staged(self, key: bytes) -> np.ndarray | None:
         return self.blocks.get(key)
 
+    def save_arena(self, slot_bytes: int, budget_bytes: int) -> None:
+        return None  # NOTE: no codec processes: plain save buffers
+
 
 def worker(min_group_bytes: int) -> tuple[WorkerCore, FakeEngine, FakeStore, torch.Tensor]:
     pool = torch.zeros((8, LAYERS, 2, BLOCK_ELEMS), dtype=torch.bfloat16)

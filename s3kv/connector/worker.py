@@ -104,12 +104,19 @@ class SaveBufferPool:
     """Host buffers for device→host copies, bounded in bytes (pinned under CUDA).
 
     ``acquire`` returns ``None`` when the bound is reached: the save is dropped and counted,
-    because the forward loop must never wait on uploads.
+    because the forward loop must never wait on uploads. With an ``arena`` (the store's
+    :meth:`~s3kv.store.KVStore.save_arena`, when codec processes encode the saves) buffers
+    are its slots, which those processes read in place.
     """
 
-    def __init__(self, block_nbytes: int, limit_bytes: int, *, pinned: bool) -> None:
+    def __init__(
+        self, block_nbytes: int, limit_bytes: int, *, pinned: bool, arena: SlabArena | None = None
+    ) -> None:
         self.block_nbytes = block_nbytes
         self.capacity = max(1, limit_bytes // max(1, block_nbytes))
+        if arena is not None:
+            self.capacity = min(self.capacity, arena.slots)
+        self._arena = arena
         self._pinned = pinned
         self._free: list[Any] = []
         self._allocated = 0
@@ -124,6 +131,9 @@ class SaveBufferPool:
                 return None
             self._allocated += 1
         torch = _torch()
+        if self._arena is not None:
+            # NOTE: shares the slot's memory (page-locked by the arena under CUDA).
+            return torch.from_numpy(self._arena.allocate(self.block_nbytes))
         return torch.empty(self.block_nbytes, dtype=torch.uint8, pin_memory=self._pinned)
 
     def release(self, buffer: Any) -> None:
@@ -164,7 +174,12 @@ class WorkerCore:
         self.block_nbytes = kv_cache[0].numel() * kv_cache.element_size()
         self.dtype_name = _dtype_name(kv_cache.dtype)
         self.board = board
-        self._buffers = SaveBufferPool(self.block_nbytes, max_inflight_bytes, pinned=self.cuda)
+        self._buffers = SaveBufferPool(
+            self.block_nbytes,
+            max_inflight_bytes,
+            pinned=self.cuda,
+            arena=store.save_arena(self.block_nbytes, max_inflight_bytes),
+        )
         self._arenas: dict[str, SlabArena] = {}
         self._pending: deque[_PendingCopy] = deque()
         self._inflight: dict[int, int] = defaultdict(int)  # request id -> copies pending
@@ -389,29 +404,36 @@ class WorkerCore:
                     return
                 pending.event.synchronize()
             self._pending.popleft()
-            for op, buffer in zip(pending.ops, pending.buffers, strict=True):
+            for op in pending.ops:
                 self._inflight[op.request_id] -= 1
                 if not self._inflight[op.request_id]:
                     del self._inflight[op.request_id]
-                self._hand_to_store(op, buffer)
+            self._hand_to_store(pending.ops, pending.buffers)
 
-    def _hand_to_store(self, op: SaveOp, buffer: Any) -> None:
-        try:
-            self.store.save(
+    def _hand_to_store(self, ops: Sequence[SaveOp], buffers: Sequence[Any]) -> None:
+        """One forward pass's copied blocks to the store, in one call."""
+        blocks = [
+            (
                 BlockHash(op.key),
                 BlockHash(op.parent),
                 buffer.numpy(),
-                dtype=self.dtype_name,
-                shape=self.block_shape,
-                on_consumed=functools.partial(self._buffers.release, buffer),
-                checked=True,  # NOTE: the scheduler planned it from one bulk filter pass
+                functools.partial(self._buffers.release, buffer),
+            )
+            for op, buffer in zip(ops, buffers, strict=True)
+        ]
+        try:
+            # NOTE: the scheduler planned these from one bulk filter pass (checked).
+            self.store.save_many(
+                blocks, dtype=self.dtype_name, shape=self.block_shape, checked=True
             )
         except Exception:  # NOTE: a lost save costs a future miss, never the request
-            logger.exception("s3kv: dropping the save of block %s", op.key.hex())
-            self._buffers.release(buffer)
-            self.store.metrics.inc("connector_save_errors")
+            # NOTE: buffers the store did not hand back stay out of the pool: one it did
+            # accept may still be read by an encoder, and reusing it would save other bytes
+            # under this key.
+            logger.exception("s3kv: dropping the saves of %d block(s)", len(ops))
+            self.store.metrics.inc("connector_save_errors", len(ops))
             return
-        self.store.metrics.inc("connector_copied_blocks")
+        self.store.metrics.inc("connector_copied_blocks", len(ops))
 
     def finished(self, finished_gen_req_ids: Sequence[int]) -> list[int]:
         """Requests (passed in now or earlier) whose device→host copies are all done here.

@@ -132,5 +132,7 @@ def main(fd: int) -> None:
             jobs.put(item)
 
 
+__all__ = ["main"]
+
 if __name__ == "__main__":
     main(int(sys.argv[1]))

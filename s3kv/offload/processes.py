@@ -30,7 +30,7 @@ import socket
 import subprocess
 import sys
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 
@@ -165,6 +165,23 @@ class CodecProcesses:
             job_id = next(self._ids)
             child.pending[job_id] = done
             child.outbox.append((job_id, job))
+            self._wake.notify()
+        return True
+
+    def submit_many(self, jobs: Sequence[tuple[Job, Done]]) -> bool:
+        """:meth:`submit` for many jobs, spread over the live processes: one lock, one wake-up.
+
+        All or nothing: ``False`` (no ``done`` called) when closing or no process is alive.
+        """
+        with self._lock:
+            live = sorted((c for c in self._children if c.alive), key=lambda c: len(c.pending))
+            if self._closing or not live:
+                return False
+            for i, (job, done) in enumerate(jobs):
+                child = live[i % len(live)]
+                job_id = next(self._ids)
+                child.pending[job_id] = done
+                child.outbox.append((job_id, job))
             self._wake.notify()
         return True
 
