@@ -50,6 +50,8 @@ _MAX_K: Final = 64
 _KEY_BYTES: Final = 16
 #: Keys per vectorized batch: bounds the index temporaries to ~chunk * k * 8 bytes each.
 _CHUNK_KEYS: Final = 16384
+#: Up to this many keys, :meth:`BloomFilter.add_many` inserts them one by one.
+_SCALAR_KEYS: Final = 4
 _LN2: Final = math.log(2.0)
 
 IntArray = npt.NDArray[np.int64]
@@ -218,6 +220,12 @@ class BloomFilter:
         Raises:
             ValueError: a key is not 16 bytes (nothing after the failing batch is inserted).
         """
+        if len(keys) <= _SCALAR_KEYS:
+            # NOTE: numpy's per-call overhead (~70 µs a batch) dwarfs a few keys' k probes;
+            # saves record their keys one or a few at a time, on the engine's process.
+            for key in keys:
+                self.add(key)
+            return
         for start in range(0, len(keys), _CHUNK_KEYS):
             chunk = keys[start : start + _CHUNK_KEYS]
             idx = self._indices(self._join(chunk)).ravel()

@@ -138,7 +138,14 @@ class FileBackend(Backend):
         if not self.root.is_dir():
             raise BucketNotFoundError(f"directory {self.root} does not exist")
         found: list[ObjectInfo] = []
-        for dirpath, _, filenames in os.walk(self.root):
+        # NOTE: walk only the directory the prefix names: listing the manifest's few objects
+        # must not stat every block in the bucket (it runs on every manifest refresh).
+        folder = prefix.rpartition("/")[0]
+        parts = folder.split("/") if folder else []
+        if any(part in ("", ".", "..") for part in parts):
+            return
+        start = self.root.joinpath(*parts)
+        for dirpath, _, filenames in os.walk(start):
             rel = os.path.relpath(dirpath, self.root)
             base = "" if rel == "." else rel.replace(os.sep, "/") + "/"
             for name in filenames:
