@@ -48,6 +48,7 @@ import os
 import statistics
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -246,6 +247,7 @@ def measured(
     GC_TIMES.clear()
     if timer is not None:
         timer.take()
+    threads_before = thread_cpu_ms()
     rid = executor.submit(prompt, new_tokens)
     started = time.perf_counter()
     executor.step()  # NOTE: allocation, claim, load and the prefill are queued in this one
@@ -253,7 +255,13 @@ def measured(
     blocks = list(executor.kv_cache_manager.sequences().get(rid, []))
     executor.run_until_complete([rid])
     result = executor.result(rid)
+    threads_after = thread_cpu_ms()
     return {
+        "thread_cpu_ms": {
+            name: round(ms - threads_before.get(name, 0.0), 1)
+            for name, ms in threads_after.items()
+            if ms - threads_before.get(name, 0.0) > 0
+        },
         "ttft_ms": result.ttft_s * 1e3,
         "decode_ms": decode_step_ms(result),
         "iter1_ms": iter1 * 1e3,
@@ -264,6 +272,24 @@ def measured(
         "connector_ms": timer.take() if timer is not None else {},
         "gc_ms": round(sum(GC_TIMES) * 1e3, 3),
     }
+
+
+def thread_cpu_ms() -> dict[str, float]:
+    """CPU milliseconds (user + system) used so far by this process's threads, by name
+    (numbered siblings such as ``s3kv-io-3`` summed): who else ran on the engine's process."""
+    tick_ms = 1e3 / os.sysconf("SC_CLK_TCK")
+    names = {t.native_id: t.name for t in threading.enumerate()}
+    used: dict[str, float] = {}
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/stat") as fh:
+                fields = fh.read().rpartition(")")[2].split()
+        except OSError:
+            continue
+        name = names.get(int(tid), "native")
+        name = "engine" if name == "MainThread" else name.rstrip("0123456789").rstrip("-")
+        used[name] = used.get(name, 0.0) + (int(fields[11]) + int(fields[12])) * tick_ms
+    return used
 
 
 GC_TIMES: list[float] = []  # seconds of each collection during the measured request
@@ -689,6 +715,10 @@ def report(
          connector_ms_cold=_medians([w["conn"]["cold"]["connector_ms"] for w, _ in pairs]),
          gc_ms_cold=median([w["conn"]["cold"]["gc_ms"] for w, _ in pairs]),
          gc_ms_cold_without_connector=median([w["ref"]["cold"]["gc_ms"] for w, _ in pairs]),
+         thread_cpu_ms_cold=_medians([w["conn"]["cold"].get("thread_cpu_ms", {})
+                                      for w, _ in pairs]),
+         thread_cpu_ms_cold_without_connector=_medians([w["ref"]["cold"].get("thread_cpu_ms", {})
+                                                        for w, _ in pairs]),
          **common)  # fmt: skip
     emit(out, "gpu.decode_step_ms", median([w["conn"]["reuse"]["decode_ms"] for w, _ in pairs]),
          "ms", saving=False, note="device-reuse requests, nothing to save",
