@@ -29,8 +29,11 @@ from s3kv.offload import work
 from s3kv.offload.jobs import Failure, FetchJob, Job, Outcome
 from s3kv.storage import Backend, open_backend
 
-#: How long the sender lets outcomes gather before it sends them (far below a GET's time).
+#: How long the sender lets a fetch's outcome wait for others (far below a GET's time).
 _COALESCE_S = 0.0005
+#: How long, and up to how many, save outcomes gather before they are sent.
+_SAVE_COALESCE_S = 0.005
+_SAVE_BATCH = 64
 
 
 class _Arenas:
@@ -55,22 +58,32 @@ class _Replies:
     def __init__(self, conn: Connection) -> None:
         self._conn = conn
         self._ready: list[Outcome] = []
+        self._urgent = False
         self._cond = threading.Condition()
 
-    def put(self, outcome: Outcome) -> None:
+    def put(self, outcome: Outcome, *, urgent: bool) -> None:
+        """Queue ``outcome``; ``urgent`` (a fetch: a request may wait for it) sends it soon."""
         with self._cond:
             self._ready.append(outcome)
+            self._urgent = self._urgent or urgent
             self._cond.notify()
 
     def run(self) -> None:
+        # NOTE: outcomes that finish together go in one message: the store's process pays a
+        # wake-up and two reads per message, on the engine's interpreter. Fetches wait at
+        # most _COALESCE_S; saves (nobody waits on them) up to _SAVE_COALESCE_S.
         while True:
             with self._cond:
                 self._cond.wait_for(lambda: bool(self._ready))
-            # NOTE: outcomes that finish together go in one message: the store's process
-            # pays a wake-up and two reads per message, on the engine's interpreter.
-            time.sleep(_COALESCE_S)
+                if not self._urgent:
+                    self._cond.wait_for(
+                        lambda: self._urgent or len(self._ready) >= _SAVE_BATCH,
+                        timeout=_SAVE_COALESCE_S,
+                    )
+            if self._urgent:
+                time.sleep(_COALESCE_S)
             with self._cond:
-                batch, self._ready = self._ready, []
+                batch, self._ready, self._urgent = self._ready, [], False
             try:
                 self._conn.send_bytes(pickle.dumps(batch, pickle.HIGHEST_PROTOCOL))
             except OSError:
@@ -100,7 +113,7 @@ def _worker(
                 outcome = work.save(job_id, job, backend, arena, keyring)
         except Exception as exc:  # NOTE: one broken job must not stop the others
             outcome = _crash_outcome(job_id, job, exc)
-        replies.put(outcome)
+        replies.put(outcome, urgent=isinstance(job, FetchJob))
 
 
 def _setup(message: Any) -> tuple[Backend, Keyring | None, int]:
