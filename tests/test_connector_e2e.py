@@ -96,6 +96,22 @@ def test_tensor_parallel_two_ranks(bucket: str, prompts: dict[str, tuple[int, ..
     assert a.metrics["save_completed"] % 2 == 0
 
 
+@pytest.mark.parametrize("tp_size", [1, 2])
+def test_redeploy_through_codec_processes(
+    bucket: str,
+    prompts: dict[str, tuple[int, ...]],
+    monkeypatch: pytest.MonkeyPatch,
+    tp_size: int,
+) -> None:
+    # Block GET/decode and encode/PUT run in codec processes (shared-memory staging and save
+    # buffers; under TP, rank 0's per-shard arenas): same hits, identical answers.
+    monkeypatch.setenv("TLLM_S3KV_CODEC_PROCESSES", "2")
+    a, b = assert_redeploy_hits(prompts, tp_size=tp_size)
+    for report in (a, b):
+        assert report.metrics["codec_processes_alive"] == 2 * tp_size
+    assert not any(name.startswith("corrupt_objects") for name in b.metrics)
+
+
 def test_cache_salt_must_not_match(bucket: str, prompts: dict[str, tuple[int, ...]]) -> None:
     run(prompts["a"], cache_salt="tenant-a")
     other = run(prompts["b"], cache_salt="tenant-b")

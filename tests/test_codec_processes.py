@@ -1,0 +1,345 @@
+"""Codec processes (``codec_processes``): real child processes, a real bucket, real faults.
+
+Each test proves its path ran in the children where it matters: the store's own
+``codec.encode``/``codec.decode`` are replaced by functions that fail, so a block that still
+saves or stages was encoded or decoded by a codec process.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from s3kv import codec
+from s3kv.arena import SlabArena
+from s3kv.auth import new_key_line
+from s3kv.config import S3KVConfig
+from s3kv.keys import ROOT_HASH, BlockHash, ModelIdentity
+from s3kv.offload import CodecProcesses
+from s3kv.storage import FileBackend
+from s3kv.store import KVStore, SaveStatus
+
+LAYERS, ELEMS = 2, 512  # one block: 2 layers x K,V x 512 bf16 = 4 KiB
+NBYTES = LAYERS * 2 * ELEMS * 2
+REAL_ENCODE = codec.encode  # NOTE: taken before any test replaces it
+
+
+def identity() -> ModelIdentity:
+    return ModelIdentity(
+        model_id="test/codec-processes",
+        weights_revision="r1",
+        dtype="bfloat16",
+        kv_dtype="bfloat16",
+        quantization="none",
+        tokens_per_block=4,
+        kv_factor=2,
+        block_elems=ELEMS,
+        num_layers=LAYERS,
+        layout="test",
+    )
+
+
+def block_bytes(seed: int) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    values = rng.normal(0, 1, NBYTES // 2).astype(np.float32)
+    return (values.view(np.uint32) >> 16).astype(np.uint16).view(np.uint8)
+
+
+def keys(n: int, salt: int = 0) -> list[BlockHash]:
+    return [BlockHash(bytes([salt, i % 256, i // 256]) * 5 + b"\x01") for i in range(n)]
+
+
+def wait_until(predicate: Callable[[], bool], timeout: float = 20.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.01)
+    return predicate()
+
+
+@pytest.fixture
+def bucket(tmp_path: Path) -> Path:
+    path = tmp_path / "bucket"
+    path.mkdir()
+    return path
+
+
+def file_config(bucket: Path, **overrides: Any) -> S3KVConfig:
+    settings: dict[str, Any] = {
+        "endpoint_url": f"file://{bucket}",
+        "codec_processes": 2,
+        "io_threads": 2,
+        "staging_bytes": 64 * NBYTES,
+        "manifest_compaction": "off",
+        **overrides,
+    }
+    return S3KVConfig(**settings)
+
+
+@pytest.fixture
+def no_local_codec(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The store's process cannot encode or decode: only codec processes can."""
+
+    def refuse(*args: object, **kwargs: object) -> Any:
+        raise AssertionError("the codec ran in the store's process")
+
+    monkeypatch.setattr("s3kv.store.codec.encode", refuse)
+    monkeypatch.setattr("s3kv.store.codec.decode", refuse)
+
+
+@pytest.fixture
+def open_stores() -> Iterator[list[KVStore]]:
+    stores: list[KVStore] = []
+    yield stores
+    for store in stores:
+        store.close(timeout=10)
+
+
+def open_store(config: S3KVConfig, stores: list[KVStore], **kwargs: Any) -> KVStore:
+    store = KVStore.open(config, identity(), **kwargs)
+    stores.append(store)
+    return store
+
+
+def save_blocks(store: KVStore, ids: list[BlockHash], *, salt: int = 0) -> list[int]:
+    """Save one block per key from the store's save arena; returns the consumed count box."""
+    arena = store.save_arena(NBYTES, len(ids) * NBYTES)
+    assert arena is not None
+    consumed = [0]
+
+    def done() -> None:
+        consumed[0] += 1
+
+    blocks = []
+    for i, key in enumerate(ids):
+        slot = arena.allocate(NBYTES)
+        slot[:] = block_bytes(salt + i)
+        blocks.append((key, ROOT_HASH, slot, done))
+    statuses = store.save_many(blocks, dtype="bfloat16", shape=(LAYERS, 2, ELEMS), checked=True)
+    assert statuses == [SaveStatus.QUEUED] * len(ids)
+    return consumed
+
+
+def test_blocks_round_trip_through_codec_processes(
+    bucket: Path, no_local_codec: None, open_stores: list[KVStore]
+) -> None:
+    ids = keys(24)
+    writer = open_store(file_config(bucket), open_stores)
+    assert writer.stats()["codec_processes_alive"] == 2
+    consumed = save_blocks(writer, ids)
+    assert writer.flush(timeout=20)
+    assert consumed[0] == len(ids)
+    stats = writer.stats()
+    assert stats["save_completed"] == len(ids)
+    assert stats['requests{op="put"}'] >= len(ids)
+    assert stats["bytes_sent"] > 0
+
+    reader = open_store(file_config(bucket), open_stores)
+    assert isinstance(reader.staging._allocator, SlabArena)  # NOTE: the children decode there
+    reader.prefetch(ids)
+    assert reader.wait_staged(ids, timeout=20) == len(ids)
+    for i, key in enumerate(ids):
+        staged = reader.staged(key)
+        assert staged is not None
+        assert np.array_equal(staged, block_bytes(i))
+    stats = reader.stats()
+    assert stats["prefetch_staged"] == len(ids)
+    assert stats['requests{op="get"}'] >= len(ids)
+    assert stats["bytes_received"] > 0
+
+
+def test_sealed_blocks_round_trip_and_unsealed_ones_are_refused(
+    bucket: Path,
+    no_local_codec: None,
+    open_stores: list[KVStore],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("S3KV_TEST_KEYS", new_key_line("k1"))
+    sealed = file_config(bucket, auth_keys="env:S3KV_TEST_KEYS")
+    ids = keys(6)
+    writer = open_store(sealed, open_stores)
+    save_blocks(writer, ids)
+    assert writer.flush(timeout=20)
+    # An unsealed block planted under a key the reader will ask for.
+    planted = keys(1, salt=9)[0]
+    object_key = writer.object_key(planted)
+    FileBackend(str(bucket)).put(
+        object_key,
+        REAL_ENCODE(block_bytes(99), key=object_key, dtype="bfloat16", shape=(LAYERS, 2, ELEMS)),
+    )
+
+    reader = open_store(sealed, open_stores)
+    reader.prefetch([*ids, planted])
+    assert reader.wait_staged(ids, timeout=20) == len(ids)
+    assert wait_until(lambda: reader.stats().get("prefetch_failed", 0) == 1)
+    assert not reader.is_staged(planted)
+    assert reader.stats()['corrupt_objects{kind="unsigned"}'] == 1
+    assert planted in reader.quarantine
+    assert np.array_equal(reader.staged(ids[0]), block_bytes(0))  # type: ignore[arg-type]
+
+
+def test_a_corrupt_object_is_a_counted_miss_and_quarantined(
+    bucket: Path, no_local_codec: None, open_stores: list[KVStore]
+) -> None:
+    ids = keys(4)
+    writer = open_store(file_config(bucket), open_stores)
+    save_blocks(writer, ids)
+    assert writer.flush(timeout=20)
+    path = bucket / writer.object_key(ids[2])
+    data = bytearray(path.read_bytes())
+    data[-10] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+    reader = open_store(file_config(bucket), open_stores)
+    reader.prefetch(ids)
+    assert reader.wait_staged(ids[:2], timeout=20) == 2
+    assert wait_until(lambda: reader.stats().get("prefetch_failed", 0) == 1)
+    stats = reader.stats()
+    assert stats["prefetch_staged"] == 3
+    assert sum(v for k, v in stats.items() if k.startswith("corrupt_objects")) == 1
+    assert ids[2] in reader.quarantine
+    assert not reader.is_staged(ids[2])
+
+
+def test_a_killed_codec_process_fails_its_jobs_and_hands_slots_back_only_after_exit(
+    bucket: Path, open_stores: list[KVStore]
+) -> None:
+    store = open_store(file_config(bucket, codec_processes=1), open_stores)
+    offload = store._offload
+    assert offload is not None
+    (pid,) = offload.pids
+    os.kill(pid, signal.SIGSTOP)  # NOTE: its jobs stay outstanding until it is killed
+    arena = store.save_arena(NBYTES, 8 * NBYTES)
+    assert arena is not None
+    exited_at_release: list[bool] = []
+
+    def released() -> None:
+        exited_at_release.append(not os.path.exists(f"/proc/{pid}/status") or _is_zombie(pid))
+
+    ids = keys(8)
+    blocks = []
+    for i, key in enumerate(ids):
+        slot = arena.allocate(NBYTES)
+        slot[:] = block_bytes(i)
+        blocks.append((key, ROOT_HASH, slot, released))
+    store.save_many(blocks, dtype="bfloat16", shape=(LAYERS, 2, ELEMS), checked=True)
+    store.prefetch(keys(3, salt=5))  # NOTE: nothing there: each would be a miss
+    assert wait_until(lambda: offload.outstanding == len(ids) + 3)
+    os.kill(pid, signal.SIGKILL)
+    assert wait_until(lambda: offload.alive == 0)
+    assert store.flush(timeout=20)
+    assert exited_at_release == [True] * len(ids)
+    stats = store.stats()
+    assert stats["save_failed"] == len(ids)
+    assert wait_until(lambda: store.stats().get("prefetch_failed", 0) == 3)
+    assert stats["codec_processes_alive"] == 0
+    assert store.staging.used_bytes <= 3 * NBYTES  # NOTE: released slots, kept for reuse
+
+    # Without processes the store does the work itself.
+    consumed = save_blocks(store, keys(4, salt=7), salt=100)
+    assert store.flush(timeout=20)
+    assert consumed[0] == 4
+    assert store.stats()["save_completed"] == 4
+    fresh = open_store(file_config(bucket, codec_processes=0), open_stores)
+    fresh.prefetch(keys(4, salt=7))
+    assert fresh.wait_staged(keys(4, salt=7), timeout=20) == 4
+    assert np.array_equal(fresh.staged(keys(4, salt=7)[3]), block_bytes(103))  # type: ignore[arg-type]
+
+
+def _is_zombie(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/status") as fh:
+            return any(line.startswith("State:") and "Z" in line for line in fh)
+    except OSError:
+        return True
+
+
+def test_a_process_that_cannot_start_is_logged_once_and_takes_no_jobs(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    config = S3KVConfig(bucket="some-bucket", profile="s3kv-no-such-profile", region="us-east-1")
+    caplog.set_level(logging.WARNING, logger="s3kv")
+    processes = CodecProcesses(config, processes=1, threads=1)
+    try:
+        assert wait_until(lambda: processes.alive == 0)
+        assert not processes.submit(
+            __import__("s3kv.offload", fromlist=["FetchJob"]).FetchJob("k", "/nowhere", 1, 0, 1),
+            lambda outcome: None,
+        )
+    finally:
+        processes.close(timeout=5)
+    lines = [r.getMessage() for r in caplog.records if "codec process" in r.getMessage()]
+    assert len(lines) == 1
+    assert "failed to start" in lines[0]
+    assert "profile" in lines[0]
+
+
+def test_an_open_breaker_submits_nothing_and_a_failed_submit_returns_the_probe(
+    bucket: Path, open_stores: list[KVStore]
+) -> None:
+    store = open_store(file_config(bucket, breaker_failures=1, breaker_cooldown=0.05), open_stores)
+    breaker = store.backend.breaker
+    assert breaker is not None
+    assert store._offload is not None
+    breaker.record_failure()
+    assert not breaker.healthy
+    blocks = [(keys(1)[0], ROOT_HASH, np.zeros(NBYTES, np.uint8), None)]
+    assert store.save_many(blocks, dtype="bfloat16", shape=(LAYERS, 2, ELEMS)) == [
+        SaveStatus.DROPPED
+    ]
+    assert store._offload.outstanding == 0
+    # Half-open, and no process left to take the probe: it must be admitted again later.
+    for pid in store._offload.pids:
+        os.kill(pid, signal.SIGKILL)
+    assert wait_until(lambda: store._offload is not None and store._offload.alive == 0)
+    assert wait_until(lambda: breaker.state.value == "half_open")
+    store.prefetch(keys(1, salt=3))  # NOTE: falls back to this process, which probes
+    assert store.wait_staged(keys(1, salt=3), timeout=10) == 0
+    assert breaker.healthy  # NOTE: the probe (a miss is an answer) closed it
+
+
+def test_close_stops_every_process_and_an_injected_backend_keeps_threads(
+    bucket: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    store = KVStore.open(file_config(bucket), identity())
+    assert store._offload is not None
+    pids = store._offload.pids
+    consumed = save_blocks(store, keys(5))
+    assert store.close(timeout=20)
+    assert consumed[0] == 5
+    assert store.stats()["save_completed"] == 5
+    assert all(not os.path.exists(f"/proc/{pid}") for pid in pids)
+    assert store.close(timeout=1)  # idempotent
+
+    caplog.set_level(logging.WARNING, logger="s3kv")
+    injected = KVStore.open(file_config(bucket), identity(), backend=FileBackend(str(bucket)))
+    try:
+        assert injected._offload is None
+        assert injected.save_arena(NBYTES, NBYTES) is None
+        assert any("given its backend" in r.getMessage() for r in caplog.records)
+        injected.prefetch(keys(5))
+        assert injected.wait_staged(keys(5), timeout=20) == 5
+    finally:
+        injected.close(timeout=10)
+
+
+def test_only_whole_slots_of_a_store_arena_go_to_the_processes(
+    bucket: Path, open_stores: list[KVStore]
+) -> None:
+    store = open_store(file_config(bucket), open_stores)
+    arena = store.save_arena(NBYTES, 4 * NBYTES)
+    assert arena is not None
+    slot = arena.allocate(NBYTES)
+    assert store._locate(slot) == (arena, arena.slot_of(slot))
+    assert store._locate(slot[: NBYTES // 2]) is None
+    assert store._locate(arena.view(0)[1:]) is None
+    assert store._locate(np.zeros(NBYTES, np.uint8)) is None
