@@ -40,9 +40,9 @@ from typing import Any
 import numpy as np
 import torch
 
+from s3kv.arena import SlabArena
 from s3kv.config import S3KVConfig
 from s3kv.connector.api import RequestData
-from s3kv.arena import SlabArena
 from s3kv.connector.completion import CompletionBoard
 from s3kv.connector.requests import request_view
 from s3kv.connector.scheduler import SchedulerCore

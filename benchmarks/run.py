@@ -16,6 +16,7 @@ HERE = Path(__file__).resolve().parent
 SCRIPTS = [
     "bench_codec.py",
     "bench_codec_threads.py",
+    "bench_store_scaling.py",
     "bench_manifest.py",
     "bench_scheduler.py",
     "bench_s3.py",

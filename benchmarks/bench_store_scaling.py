@@ -1,0 +1,200 @@
+"""The store's staging and save paths at N workers: I/O threads vs codec processes. JSON lines.
+
+What it answers (issue: "codec threads that scale"): decoding into staging with N I/O threads
+scaled 3.1x at 8 threads on a 16-core host because every block's codec work runs ~15 C calls
+separated by Python glue that needs the one GIL (``bench_codec_threads.py``). With
+``codec_processes = N`` the GET, verify and decode run in N processes that write the staging
+arena's shared memory, and encode and PUT read the save arena's: no shared GIL.
+
+Each mode, on the same blocks and bucket, N = 1, 2, 4, 8, 16 (capped at the host's cores):
+
+* ``threads``: ``codec_processes = 0``, ``io_threads = N`` (the default path);
+* ``processes``: ``codec_processes = N``, ``io_threads = N`` (one job at a time per process).
+
+Stage: a fresh store per N, ``prefetch`` of every block and ``wait_staged`` (after a few
+warm-up blocks, so process start-up is not timed). Save: a fresh store per N, blocks already
+in save buffers (the save arena's slots, or numpy buffers for threads), ``save_many`` and
+``flush``. Bucket: a ``file://`` directory, so a GET or PUT is a read or write syscall from
+the page cache and the codec dominates.
+
+Rows: ``store_scaling.{stage|save}_{threads|processes}_MBps`` (raw MB/s) with
+``scaling`` (= MB/s(N) / MB/s(1) of the same mode; the target is >= 0.8 N up to 8),
+``engine_cpu_us_per_block`` (CPU of the store's own process per block: what the engine's
+interpreter pays; with processes the codec's CPU is elsewhere) and ``cpu_per_wall``.
+
+Data: synthetic bf16 KV (normal values, the exponent-plane entropy of real KV) in blocks
+shaped like a Llama-3-8B 8-layer slice's at 32 tokens (1 MiB).
+
+Usage: ``python benchmarks/bench_store_scaling.py [--quick] [--workers 1,2,4,8,16]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from s3kv.config import S3KVConfig
+from s3kv.keys import ROOT_HASH, BlockHash, ModelIdentity
+from s3kv.store import KVStore
+
+LAYERS, TOKENS, HEADS, HEAD_DIM = 8, 32, 8, 128
+ELEMS = TOKENS * HEADS * HEAD_DIM
+NBYTES = LAYERS * 2 * ELEMS * 2
+SHAPE = (LAYERS, 2, TOKENS, HEADS, HEAD_DIM)
+WARMUP = 8
+
+
+def identity() -> ModelIdentity:
+    return ModelIdentity(
+        model_id="bench/store-scaling",
+        weights_revision="r1",
+        dtype="bfloat16",
+        kv_dtype="bfloat16",
+        quantization="none",
+        tokens_per_block=TOKENS,
+        kv_factor=2,
+        block_elems=ELEMS,
+        num_layers=LAYERS,
+        layout="bench",
+    )
+
+
+def make_blocks(n: int) -> list[np.ndarray]:
+    rng = np.random.default_rng(7)
+    values = rng.normal(0, 1, (n, NBYTES // 2)).astype(np.float32)
+    return [(row.view(np.uint32) >> 16).astype(np.uint16).view(np.uint8) for row in values]
+
+
+def block_keys(n: int, salt: int) -> list[BlockHash]:
+    return [BlockHash(salt.to_bytes(4, "big") + i.to_bytes(12, "big")) for i in range(n)]
+
+
+def config(bucket: Path, mode: str, n: int, blocks: int) -> S3KVConfig:
+    return S3KVConfig(
+        endpoint_url=f"file://{bucket}",
+        codec_processes=n if mode == "processes" else 0,
+        io_threads=n,
+        staging_bytes=(blocks + WARMUP + 4) * NBYTES,
+        max_inflight_save_bytes=(blocks + 4) * NBYTES,
+        max_prefetch_queue=blocks + WARMUP + 4,
+        manifest_compaction="off",
+    )
+
+
+def save(bucket: Path, mode: str, n: int, blocks: list[np.ndarray], salt: int) -> dict[str, float]:
+    store = KVStore.open(config(bucket, mode, n, len(blocks)), identity())
+    try:
+        arena = store.save_arena(NBYTES, (len(blocks) + WARMUP) * NBYTES)
+        warm = [arena.allocate(NBYTES) if arena is not None else np.empty(NBYTES, np.uint8)
+                for _ in range(WARMUP)]  # fmt: skip
+        for buffer in warm:
+            buffer[:] = blocks[0]
+        store.save_many([(k, ROOT_HASH, b, None) for k, b in zip(block_keys(WARMUP, salt + 1),
+                                                                 warm, strict=True)],
+                        dtype="bfloat16", shape=SHAPE, checked=True)  # fmt: skip
+        store.flush(timeout=120)
+        buffers = []
+        for block in blocks:
+            buffer = arena.allocate(NBYTES) if arena is not None else np.empty(NBYTES, np.uint8)
+            buffer[:] = block
+            buffers.append(buffer)
+        keys = block_keys(len(blocks), salt)
+        cpu, wall = time.process_time(), time.perf_counter()
+        store.save_many([(k, ROOT_HASH, b, None) for k, b in zip(keys, buffers, strict=True)],
+                        dtype="bfloat16", shape=SHAPE, checked=True)  # fmt: skip
+        done = store.flush(timeout=600)
+        wall = time.perf_counter() - wall
+        cpu = time.process_time() - cpu
+        completed = store.stats().get("save_completed", 0)
+    finally:
+        store.close(timeout=60)
+    assert done, "saves did not drain"
+    assert completed >= len(blocks), (completed, len(blocks))
+    return {"seconds": wall, "cpu": cpu}
+
+
+def stage(bucket: Path, mode: str, n: int, keys: list[BlockHash]) -> dict[str, float]:
+    store = KVStore.open(config(bucket, mode, n, len(keys)), identity())
+    try:
+        warm, timed = keys[:WARMUP], keys[WARMUP:]
+        store.prefetch(warm)
+        store.wait_staged(warm, timeout=120)
+        cpu, wall = time.process_time(), time.perf_counter()
+        store.prefetch(timed)
+        staged = store.wait_staged(timed, timeout=600)
+        wall = time.perf_counter() - wall
+        cpu = time.process_time() - cpu
+    finally:
+        store.close(timeout=60)
+    assert staged == len(timed), (staged, len(timed))
+    return {"seconds": wall, "cpu": cpu}
+
+
+def cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--quick", action="store_true", help="fewer blocks, N up to 2")
+    parser.add_argument("--workers", default="1,2,4,8,16")
+    parser.add_argument("--blocks", type=int, default=256)
+    args = parser.parse_args()
+    cores = os.cpu_count() or 1
+    counts = [n for n in (int(x) for x in args.workers.split(",")) if n <= cores]
+    blocks = args.blocks
+    if args.quick:
+        counts, blocks = [n for n in counts if n <= 2], 48
+    data = make_blocks(blocks)
+    common = {"cores": cores, "cpu": cpu_model(), "block_bytes": NBYTES, "blocks": blocks,
+              "bucket": "file:// (page cache)"}  # fmt: skip
+    root = Path(tempfile.mkdtemp(prefix="s3kv-scaling-"))
+    try:
+        source = root / "stage"
+        source.mkdir()
+        save(source, "processes", min(4, cores), data + data[:WARMUP], salt=1)
+        keys = block_keys(blocks + WARMUP, salt=1)
+        for case in ("stage", "save"):
+            for mode in ("threads", "processes"):
+                base = 0.0
+                for n in counts:
+                    if case == "stage":
+                        got = stage(source, mode, n, keys)
+                    else:
+                        bucket = root / f"save-{mode}-{n}"
+                        bucket.mkdir()
+                        got = save(bucket, mode, n, data, salt=100 + n)
+                    mbps = blocks * NBYTES / got["seconds"] / 1e6
+                    base = base or mbps
+                    row: dict[str, Any] = {
+                        "metric": f"store_scaling.{case}_{mode}_MBps", "value": round(mbps, 1),
+                        "unit": "MB/s", "n": n, "scaling": round(mbps / base, 2),
+                        "target_scaling": round(0.8 * n, 2) if n <= 8 else None,
+                        "engine_cpu_us_per_block": round(got["cpu"] / blocks * 1e6, 1),
+                        "cpu_per_wall": round(got["cpu"] / got["seconds"], 2), **common,
+                    }  # fmt: skip
+                    print(json.dumps(row), flush=True)
+                    if case == "save":
+                        shutil.rmtree(bucket, ignore_errors=True)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
