@@ -5,7 +5,7 @@ threads (its own interpreter, its own GIL, its own bucket client) and writes bac
 lists of :class:`~s3kv.offload.jobs.Outcome`, as many as are ready per message.
 
 The first message is the setup: ``(config, secrets, sealing_id, accept_unsigned, threads)``.
-If the setup fails the process answers ``("setup_failed", line)`` and exits.
+Then it answers ``("ready",)``, or ``("setup_failed", line)`` and exits.
 
 It exits when the socket closes (its store closed, or its process died) — at once: a
 job still running then has nobody left to answer and nothing of it is needed.
@@ -133,6 +133,7 @@ def main(fd: int) -> None:
     except Exception as exc:  # NOTE: reported to the store, which logs one line
         conn.send_bytes(pickle.dumps(("setup_failed", f"{type(exc).__name__}: {exc}")))
         return
+    conn.send_bytes(pickle.dumps(("ready",)))
     jobs: queue.SimpleQueue[tuple[int, Job]] = queue.SimpleQueue()
     replies = _Replies(conn)
     arenas = _Arenas()

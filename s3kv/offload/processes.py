@@ -54,6 +54,7 @@ class _Child:
     sock: socket.socket
     reader: threading.Thread | None = None
     alive: bool = True
+    ready: bool = False  # NOTE: set up (bucket client open); jobs go to ready ones first
     outbox: list[tuple[int, Job]] = field(default_factory=list)
     pending: dict[int, Done] = field(default_factory=dict)
 
@@ -149,6 +150,19 @@ class CodecProcesses:
         with self._lock:
             return [child.process.pid for child in self._children if child.alive]
 
+    def wait_ready(self, timeout: float) -> int:
+        """Wait up to ``timeout`` for every live process to be set up; how many are ready."""
+        with self._lock:
+            self._wake.wait_for(
+                lambda: all(c.ready or not c.alive for c in self._children), timeout=timeout
+            )
+            return sum(c.ready and c.alive for c in self._children)
+
+    def _takers(self) -> list[_Child]:
+        """Live processes that take new jobs: the set-up ones, or all while none is yet."""
+        live = [child for child in self._children if child.alive]
+        return [child for child in live if child.ready] or live
+
     # --- jobs ---
 
     def submit(self, job: Job, done: Done) -> bool:
@@ -158,7 +172,7 @@ class CodecProcesses:
         ``done`` must not raise and must not call back into this object's :meth:`close`.
         """
         with self._lock:
-            live = [child for child in self._children if child.alive]
+            live = self._takers()
             if self._closing or not live:
                 return False
             child = min(live, key=lambda c: len(c.pending))
@@ -174,7 +188,7 @@ class CodecProcesses:
         All or nothing: ``False`` (no ``done`` called) when closing or no process is alive.
         """
         with self._lock:
-            live = sorted((c for c in self._children if c.alive), key=lambda c: len(c.pending))
+            live = sorted(self._takers(), key=lambda c: len(c.pending))
             if self._closing or not live:
                 return False
             for i, (job, done) in enumerate(jobs):
@@ -209,6 +223,11 @@ class CodecProcesses:
                 if isinstance(message, tuple) and message[:1] == ("setup_failed",):
                     reason = f"failed to start: {message[1]}"
                     break
+                if isinstance(message, tuple) and message[:1] == ("ready",):
+                    with self._lock:
+                        child.ready = True
+                        self._wake.notify_all()
+                    continue
                 for outcome in message:
                     with self._lock:
                         done = child.pending.pop(outcome.job_id, None)
