@@ -135,6 +135,8 @@ def test_blocks_round_trip_through_codec_processes(
     ids = keys(24)
     writer = open_store(file_config(bucket), open_stores)
     assert writer.stats()["codec_processes_alive"] == 2
+    assert writer._offload is not None
+    assert writer._offload.wait_ready(20) == 2
     consumed = save_blocks(writer, ids)
     assert writer.flush(timeout=20)
     assert consumed[0] == len(ids)
