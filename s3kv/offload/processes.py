@@ -85,7 +85,8 @@ class CodecProcesses:
         name: str = "s3kv-codec",
     ) -> None:
         self._lock = threading.Lock()
-        self._wake = threading.Condition(self._lock)
+        self._wake = threading.Condition(self._lock)  # the sender: jobs to send, or closing
+        self._changed = threading.Condition(self._lock)  # a process set up, drained or died
         self._ids = itertools.count()
         self._closing = False
         secrets = dict(keyring.secrets) if keyring is not None else {}
@@ -153,7 +154,7 @@ class CodecProcesses:
     def wait_ready(self, timeout: float) -> int:
         """Wait up to ``timeout`` for every live process to be set up; how many are ready."""
         with self._lock:
-            self._wake.wait_for(
+            self._changed.wait_for(
                 lambda: all(c.ready or not c.alive for c in self._children), timeout=timeout
             )
             return sum(c.ready and c.alive for c in self._children)
@@ -226,14 +227,17 @@ class CodecProcesses:
                 if isinstance(message, tuple) and message[:1] == ("ready",):
                     with self._lock:
                         child.ready = True
-                        self._wake.notify_all()
+                        self._changed.notify_all()
                     continue
-                for outcome in message:
-                    with self._lock:
-                        done = child.pending.pop(outcome.job_id, None)
-                        self._wake.notify_all()
+                # NOTE: one lock and one notification per message, not per outcome: this
+                # thread shares the engine's interpreter.
+                with self._lock:
+                    dones = [(child.pending.pop(o.job_id, None), o) for o in message]
+                for done, outcome in dones:
                     if done is not None:
                         _deliver(done, outcome)
+                with self._lock:
+                    self._changed.notify_all()
         except (EOFError, OSError, pickle.UnpicklingError):
             pass
         self._died(child, reason)
@@ -252,7 +256,7 @@ class CodecProcesses:
         with self._lock:
             orphans, child.pending = child.pending, {}
             child.outbox = []
-            self._wake.notify_all()
+            self._changed.notify_all()
         if not closing or orphans:
             logger.warning(
                 "s3kv: codec process %d (pid %d) %s (exit code %s); %d job(s) failed, %d "
@@ -279,7 +283,7 @@ class CodecProcesses:
         when nothing was outstanding at the end. Idempotent.
         """
         with self._lock:
-            drained = self._wake.wait_for(
+            drained = self._changed.wait_for(
                 lambda: all(not c.pending for c in self._children), timeout=timeout
             )
             self._closing = True
