@@ -40,6 +40,9 @@ from s3kv.offload.jobs import Failure, Job, Outcome
 
 logger = logging.getLogger(__name__)
 
+#: Allocations up to this size stay in a codec process's heap when freed (glibc).
+_MALLOC_THRESHOLD = 64 * 1024 * 1024
+
 #: Seconds :meth:`CodecProcesses.close` gives a process to exit after its socket closes.
 _EXIT_GRACE = 5.0
 
@@ -115,6 +118,11 @@ class CodecProcesses:
         env = dict(os.environ)
         # NOTE: the child imports s3kv from wherever this process did (a source tree too).
         env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
+        # NOTE: glibc serves each GET's body (over its 128 KiB mmap threshold) from fresh
+        # pages and unmaps them on free: ~250 page faults per block in the process. Kept in
+        # its heap instead, the next block reuses them (1.5x staging per process measured).
+        env.setdefault("MALLOC_MMAP_THRESHOLD_", str(_MALLOC_THRESHOLD))
+        env.setdefault("MALLOC_TRIM_THRESHOLD_", str(4 * _MALLOC_THRESHOLD))
         try:
             process = subprocess.Popen(
                 [sys.executable, "-m", "s3kv.offload.child", str(theirs.fileno())],
