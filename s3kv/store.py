@@ -217,7 +217,11 @@ class KVStore:
         #: Keys whose object failed verification: misses without a GET for a while.
         self.quarantine: Quarantine[BlockHash] = Quarantine()
         self.staging = StagingCache(config.staging_bytes, allocator=allocator, metrics=self.metrics)
-        self._pool = pool if pool is not None else IOPool(config.io_threads)
+        # NOTE: with codec processes the pool's threads only hand fetches over (and do the
+        # work of whatever the processes cannot take): more of them would only contend for
+        # the engine's GIL.
+        threads = config.io_threads if codec_processes is None else min(config.io_threads, 2)
+        self._pool = pool if pool is not None else IOPool(threads)
         self._codec = _CODECS[config.codec]
         self._lock = threading.Lock()
         self._save_space = threading.Condition(self._lock)
