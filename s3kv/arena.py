@@ -166,13 +166,14 @@ class SlabArena:
         return offset // self.slot_bytes
 
     def slot_at(self, buffer: HostBuffer) -> int | None:
-        """The slot ``buffer`` is exactly (a whole slot, from its start), else ``None``.
+        """The slot ``buffer`` is exactly (a whole slot, from its start, contiguous), else ``None``.
 
         Cheap (no exception, no ctypes): the store asks it for every block it saves.
         """
         offset = int(buffer.__array_interface__["data"][0]) - self._base
         if (
-            buffer.nbytes != self.slot_bytes
+            not buffer.flags.c_contiguous  # NOTE: a strided view orders the bytes otherwise
+            or buffer.nbytes != self.slot_bytes
             or offset % self.slot_bytes
             or not 0 <= offset < self.slot_bytes * self.slots
         ):

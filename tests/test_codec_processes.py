@@ -345,3 +345,49 @@ def test_only_whole_slots_of_a_store_arena_go_to_the_processes(
     assert store._locate(slot[: NBYTES // 2]) is None
     assert store._locate(arena.view(0)[1:]) is None
     assert store._locate(np.zeros(NBYTES, np.uint8)) is None
+
+
+def test_processes_started_while_the_bucket_is_down_work_once_it_answers(
+    fault_proxy: Any, no_local_codec: None
+) -> None:
+    # NOTE: a degraded start (the connector's way): the bucket answers only 503 while the
+    # store opens; its processes must not die of it (they opened their client with a probe).
+    from s3kv.testing.faultproxy import Fault
+
+    down = fault_proxy.add(Fault.error(503))
+    config = fault_proxy.config(
+        codec_processes=1,
+        conditional_put="auto",
+        startup_timeout=0.3,
+        staging_bytes=16 * NBYTES,
+        manifest_compaction="off",
+    )
+    store = KVStore.open(config, identity(), degraded_start=True)
+    try:
+        assert not store.ready
+        assert store._offload is not None
+        assert store._offload.wait_ready(20) == 1
+        fault_proxy.remove(down)
+        assert store.wait_ready(20)
+        consumed = save_blocks(store, keys(3))
+        assert store.flush(timeout=20)
+        assert consumed[0] == 3
+        assert store.stats()["save_completed"] == 3
+        assert store._offload.alive == 1
+    finally:
+        store.close(timeout=10)
+
+
+def test_a_strided_view_the_size_of_a_slot_is_not_taken_for_the_slot(
+    bucket: Path, open_stores: list[KVStore]
+) -> None:
+    # NOTE: same start, same size, other element order: a process would save the slot's
+    # memory order where the I/O threads save the view's elements.
+    store = open_store(file_config(bucket), open_stores)
+    arena = store.save_arena(NBYTES, 2 * NBYTES)
+    assert arena is not None
+    slot = arena.allocate(NBYTES)
+    transposed = slot.reshape(64, -1).T
+    assert transposed.nbytes == NBYTES
+    assert store._locate(transposed) is None
+    assert store._locate(slot) is not None

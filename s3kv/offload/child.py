@@ -13,6 +13,7 @@ job still running then has nobody left to answer and nothing of it is needed.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import pickle
 import queue
@@ -121,6 +122,10 @@ def _setup(message: Any) -> tuple[Backend, Keyring | None, int]:
     if not isinstance(config, S3KVConfig):
         raise TypeError("the first message is not a setup")
     keyring = Keyring(dict(secrets), sealing_id, accept_unsigned) if secrets else None
+    # NOTE: opened without I/O: "auto" would probe the bucket here, and a process started
+    # while the bucket is down (a degraded start) would fail for good. The store's probe
+    # decides instead: each SaveJob says whether to PUT conditionally (if_absent).
+    config = dataclasses.replace(config, conditional_put="on")
     return open_backend(config), keyring, int(threads)
 
 
