@@ -77,6 +77,9 @@ class SharedManifest:
     def record_write(self, key: BlockHash, parent: BlockHash, size: int) -> None:
         self.inner.record_write(key, parent, size)
 
+    def record_writes(self, writes: Sequence[tuple[BlockHash, BlockHash, int]]) -> None:
+        self.inner.record_writes(writes)
+
     def record_hits(self, keys: Sequence[BlockHash]) -> None:
         """Not recorded: the samples claim the same blocks again and again."""
 

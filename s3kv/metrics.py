@@ -21,7 +21,7 @@ import logging
 import re
 import threading
 import weakref
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -252,6 +252,14 @@ class Metrics:
         with self._lock:
             self._values[key] = self._values.get(key, 0) + amount
 
+    def inc_many(self, amounts: Mapping[str, float]) -> None:
+        """:meth:`inc` of each unlabelled counter by its amount, under one lock (batches)."""
+        with self._lock:
+            values = self._values
+            for name, amount in amounts.items():
+                if amount:
+                    values[name] = values.get(name, 0) + amount
+
     def set(self, name: str, value: float, **labels: str) -> None:
         """Set the gauge ``name{labels}`` to ``value``."""
         key = metric_name(name, labels)
@@ -280,6 +288,20 @@ class Metrics:
                 histogram = self._histograms[key] = _Histogram(len(self.buckets))
             histogram.counts[index] += 1
             histogram.sum += value
+
+    def observe_many(self, name: str, values: Sequence[float], **labels: str) -> None:
+        """:meth:`observe` of each of ``values``, under one lock (batches)."""
+        if not values:
+            return
+        key = metric_name(name, labels)
+        indices = [bisect.bisect_left(self.buckets, value) for value in values]
+        with self._lock:
+            histogram = self._histograms.get(key)
+            if histogram is None:
+                histogram = self._histograms[key] = _Histogram(len(self.buckets))
+            for index in indices:
+                histogram.counts[index] += 1
+            histogram.sum += sum(values)
 
     def value(self, name: str, **labels: str) -> float:
         """Current value of the counter or gauge ``name{labels}`` (0 if never touched)."""

@@ -371,6 +371,11 @@ class PendingManifest:
         if target is not None:
             target.record_write(key, parent, size)
 
+    def record_writes(self, writes: Sequence[tuple[BlockHash, BlockHash, int]]) -> None:
+        target = self.opening.result
+        if target is not None:
+            target.record_writes(writes)
+
     def record_hits(self, keys: Sequence[BlockHash]) -> None:
         target = self.opening.result
         if target is not None:

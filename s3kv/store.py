@@ -34,7 +34,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import numpy as np
@@ -56,7 +56,7 @@ from s3kv.errors import (
 from s3kv.keys import BlockHash, ModelIdentity, block_object_key, identity_object_key
 from s3kv.manifest import CompactionPolicy, Manifest, UsageTable, load_usage
 from s3kv.metrics import Export, Metrics, exporter
-from s3kv.offload import CodecProcesses, Failure, FetchJob, Outcome, SaveJob, open_stored
+from s3kv.offload import CodecProcesses, Failure, FetchJob, Job, Outcome, SaveJob, open_stored
 from s3kv.pool import IOPool, Priority
 from s3kv.quarantine import Quarantine
 from s3kv.staging import HostAllocator, HostBuffer, StagingCache
@@ -66,6 +66,7 @@ from s3kv.storage import (
     BreakerState,
     CircuitBreaker,
     InstrumentedBackend,
+    Recorded,
 )
 
 logger = logging.getLogger(__name__)
@@ -116,6 +117,10 @@ class ManifestLike(Protocol):
 
     def record_write(self, key: BlockHash, parent: BlockHash, size: int) -> None:
         """``key`` was written (``size`` stored bytes)."""
+        ...
+
+    def record_writes(self, writes: Sequence[tuple[BlockHash, BlockHash, int]]) -> None:
+        """:meth:`record_write` of each ``(key, parent, size)``, in one step."""
         ...
 
     def record_hits(self, keys: Sequence[BlockHash]) -> None:
@@ -799,33 +804,57 @@ class KVStore:
         return SaveStatus.QUEUED
 
     def _admit_save(self, key: BlockHash, nbytes: int, checked: bool) -> SaveStatus:
+        return self._admit_saves([(key, nbytes)], checked)[0]
+
+    def _admit_saves(
+        self, saves: Sequence[tuple[BlockHash, int]], checked: bool
+    ) -> list[SaveStatus]:
+        """Admit ``(key, raw bytes)`` saves in order: one filter pass, one lock."""
         if self._breaker_open():
-            self.metrics.inc("save_dropped_unhealthy")
-            return SaveStatus.DROPPED
+            self.metrics.inc("save_dropped_unhealthy", len(saves))
+            return [SaveStatus.DROPPED] * len(saves)
         # NOTE: a quarantined key's object failed verification here: the save rewrites it
         # (below, unconditionally) instead of trusting that "it is already there". Asked
         # outside the lock: the filter is the slow part.
-        exists = not checked and self.manifest.may_contain(key) and key not in self.quarantine
+        if checked:
+            present = [False] * len(saves)
+        elif len(saves) == 1:
+            present = [self.manifest.may_contain(saves[0][0])]
+        else:
+            present = [bool(x) for x in self.manifest.contains_many([k for k, _ in saves])]
+        statuses: list[SaveStatus] = []
+        skipped = dropped = 0
+        limit = self.config.max_inflight_save_bytes
         with self._lock:
-            if self._closed:
-                return SaveStatus.DROPPED
-            if key in self._saving or exists:
-                self.metrics.inc("save_skipped_existing")
-                return SaveStatus.SKIPPED
-            limit = self.config.max_inflight_save_bytes
-            if self._inflight_save_bytes + nbytes > limit and self._inflight_save_bytes > 0:
-                if self.config.save_policy == "drop" or not self._save_space.wait_for(
-                    lambda: self._inflight_save_bytes + nbytes <= limit or self._closed,
-                    timeout=self.config.save_block_timeout,
-                ):
-                    self.metrics.inc("save_dropped")
-                    return SaveStatus.DROPPED
+            for (key, nbytes), exists in zip(saves, present, strict=True):
                 if self._closed:
-                    return SaveStatus.DROPPED
-            self._saving.add(key)
-            self._inflight_save_bytes += nbytes
+                    statuses.append(SaveStatus.DROPPED)
+                    continue
+                if key in self._saving or (exists and key not in self.quarantine):
+                    skipped += 1
+                    statuses.append(SaveStatus.SKIPPED)
+                    continue
+                if self._inflight_save_bytes + nbytes > limit and self._inflight_save_bytes > 0:
+                    room = functools.partial(self._room_for, nbytes, limit)
+                    if self.config.save_policy == "drop" or not self._save_space.wait_for(
+                        room, timeout=self.config.save_block_timeout
+                    ):
+                        dropped += 1
+                        statuses.append(SaveStatus.DROPPED)
+                        continue
+                    if self._closed:
+                        statuses.append(SaveStatus.DROPPED)
+                        continue
+                self._saving.add(key)
+                self._inflight_save_bytes += nbytes
+                statuses.append(SaveStatus.QUEUED)
             self.metrics.set("inflight_save_bytes", self._inflight_save_bytes)
-            return SaveStatus.QUEUED
+        self.metrics.inc_many({"save_skipped_existing": skipped, "save_dropped": dropped})
+        return statuses
+
+    def _room_for(self, nbytes: int, limit: int) -> bool:
+        """Under the lock: ``nbytes`` more fit in flight (or the store is closing)."""
+        return self._inflight_save_bytes + nbytes <= limit or self._closed
 
     def _write(
         self,
@@ -905,48 +934,8 @@ class KVStore:
         located = self._locate(data)
         if offload is None or located is None or not offload.alive:
             return False
-        job = self._save_job(key, parent, located, dtype, shape, nbytes, on_consumed)
-        if job is None or offload.submit(*job):
-            return True
-        self.backend.withdraw()
-        return False
-
-    def _save_job(
-        self,
-        key: BlockHash,
-        parent: BlockHash,
-        located: tuple[SlabArena, int],
-        dtype: codec.DType,
-        shape: tuple[int, ...],
-        nbytes: int,
-        on_consumed: Callable[[], None] | None,
-    ) -> tuple[SaveJob, Callable[[Outcome], None]] | None:
-        """The job of an admitted save, or ``None`` when the breaker refused it (counted,
-        finished and consumed here)."""
-        try:
-            self.backend.admit("put")
-        except StorageError as exc:
-            self.metrics.inc("save_failed")
-            self._log_failure("save", exc)
-            self._finish_save(key, nbytes)
-            if on_consumed is not None:
-                on_consumed()
-            return None
-        arena, slot = located
-        rewrite = key in self.quarantine
-        job = SaveJob(
-            self.object_key(key),
-            arena.path,
-            arena.slot_bytes,
-            slot,
-            nbytes,
-            dtype.value,
-            shape,
-            int(self._codec),
-            self.config.compression_level,
-            self.backend.capabilities.conditional_put and not rewrite,
-        )
-        return job, functools.partial(self._put_done, key, parent, nbytes, on_consumed, rewrite)
+        batch = _SaveBatch([key], [parent], [on_consumed], nbytes)
+        return self._hand_over(offload, batch, [located], dtype, shape, fall_back=True)
 
     def save_many(
         self,
@@ -958,8 +947,10 @@ class KVStore:
     ) -> list[SaveStatus]:
         """:meth:`save` for ``(key, parent, data, on_consumed)`` blocks of one dtype and shape.
 
-        The same contract per block; blocks in the store's arenas go to the codec processes
-        in one hand-off (the engine's thread pays one lock and one wake-up, not one each).
+        The same contract per block. Blocks in the store's arenas go to the codec processes
+        as one batch: admitted under one lock, handed over with one wake-up, and their
+        outcomes handled a message at a time (:meth:`_saves_done`), so the engine's
+        interpreter pays per batch, not per block, for most of the bookkeeping.
         """
         offload = self._offload
         if offload is None or not offload.alive:
@@ -967,56 +958,141 @@ class KVStore:
                 self.save(k, p, d, dtype=dtype, shape=shape, on_consumed=c, checked=checked)
                 for k, p, d, c in blocks
             ]
-        dtype_enum = codec.DType(dtype)
-        statuses: list[SaveStatus] = []
-        jobs: list[tuple[SaveJob, Callable[[Outcome], None]]] = []
-        for key, parent, data, on_consumed in blocks:
-            located = self._locate(data)
-            if located is None:
-                statuses.append(
-                    self.save(key, parent, data, dtype=dtype, shape=shape,
-                              on_consumed=on_consumed, checked=checked)
+        statuses: list[SaveStatus] = [SaveStatus.DROPPED] * len(blocks)
+        here: list[int] = []
+        located: list[tuple[SlabArena, int]] = []
+        for i, (key, parent, data, on_consumed) in enumerate(blocks):
+            where = self._locate(data)
+            if where is None:
+                statuses[i] = self.save(
+                    key, parent, data, dtype=dtype, shape=shape, on_consumed=on_consumed,
+                    checked=checked,
                 )  # fmt: skip
-                continue
-            status = self._admit_save(key, data.nbytes, checked)
-            statuses.append(status)
+            else:
+                here.append(i)
+                located.append(where)
+        if not here:
+            return statuses
+        admitted = self._admit_saves([(blocks[i][0], blocks[i][2].nbytes) for i in here], checked)
+        nbytes = blocks[here[0]][2].nbytes
+        batch = _SaveBatch([], [], [], nbytes)
+        slots: list[tuple[SlabArena, int]] = []
+        for i, where, status in zip(here, located, admitted, strict=True):
+            key, parent, data, on_consumed = blocks[i]
+            statuses[i] = status
             if status is not SaveStatus.QUEUED:
                 if on_consumed is not None:
                     on_consumed()
-                continue
-            self.metrics.inc("save_submitted")
-            job = self._save_job(key, parent, located, dtype_enum, shape, data.nbytes, on_consumed)
-            if job is not None:
-                jobs.append(job)
-        if jobs and not offload.submit_many(jobs):
-            for _, done in jobs:  # NOTE: no process left: fail them as a dead process would
-                done(_NOT_SUBMITTED)
+            elif data.nbytes != nbytes:  # NOTE: not one shape after all: one at a time
+                self._hand_over(
+                    offload, _SaveBatch([key], [parent], [on_consumed], data.nbytes), [where],
+                    codec.DType(dtype), shape, fall_back=False,
+                )  # fmt: skip
+            else:
+                batch.append(key, parent, on_consumed)
+                slots.append(where)
+        self.metrics.inc("save_submitted", sum(s is SaveStatus.QUEUED for s in admitted))
+        if batch.keys:
+            self._hand_over(offload, batch, slots, codec.DType(dtype), shape, fall_back=False)
         return statuses
 
-    def _put_done(
+    def _hand_over(
         self,
-        key: BlockHash,
-        parent: BlockHash,
-        nbytes: int,
-        on_consumed: Callable[[], None] | None,
-        rewrite: bool,
-        outcome: Outcome,
-    ) -> None:
-        """A codec process's save of ``key`` ended (on its reader thread)."""
+        offload: CodecProcesses,
+        batch: _SaveBatch,
+        slots: Sequence[tuple[SlabArena, int]],
+        dtype: codec.DType,
+        shape: tuple[int, ...],
+        *,
+        fall_back: bool,
+    ) -> bool:
+        """Submit admitted saves to the codec processes; ``False`` only with ``fall_back``,
+        when none of them was taken (the caller then writes them itself).
+
+        Saves the breaker refuses are failed here (counted, finished, consumed); without
+        ``fall_back`` so are those no process took.
+        """
+        count = len(batch.keys)
+        admitted = self.backend.admit_many("put", count)
+        if admitted < count:
+            self._saves_done(batch, [(i, _NOT_ADMITTED) for i in range(admitted, count)])
+            if not admitted:
+                return True
+        codec_id, level = int(self._codec), self.config.compression_level
+        conditional = self.backend.capabilities.conditional_put
+        jobs: list[Job] = []
+        for i in range(admitted):
+            key = batch.keys[i]
+            rewrite = key in self.quarantine
+            batch.rewrite.append(rewrite)
+            arena, slot = slots[i]
+            jobs.append(
+                SaveJob(
+                    self.object_key(key), arena.path, arena.slot_bytes, slot, batch.nbytes,
+                    dtype.value, shape, codec_id, level, conditional and not rewrite,
+                )
+            )  # fmt: skip
+        if offload.submit_batch(jobs, functools.partial(self._saves_done, batch)):
+            return True
+        if fall_back:
+            for _ in range(admitted):
+                self.backend.withdraw()
+            return False
+        # NOTE: no process left: fail them as a dead process would (withdrawn there)
+        self._saves_done(batch, [(i, _NOT_SUBMITTED) for i in range(admitted)])
+        return True
+
+    def _saves_done(self, batch: _SaveBatch, outcomes: Sequence[tuple[int, Outcome]]) -> None:
+        """Some of a batch's saves ended (on a codec process's reader thread, or here).
+
+        In one pass: their buffers handed back, their requests recorded, the written keys
+        recorded in the manifest with one lock, counters added once, the keys finished.
+        """
+        counts = dict.fromkeys(
+            ("save_completed", "save_raw_bytes", "save_stored_bytes", "save_skipped_existing",
+             "save_failed", "save_rewrote_quarantined"), 0,
+        )  # fmt: skip
+        requests: list[Recorded] = []
+        writes: list[tuple[BlockHash, BlockHash, int]] = []
         try:
-            if on_consumed is not None:
-                on_consumed()
-            self._record_request("put", outcome)
-            if outcome.codec_error is not None:
-                raise outcome.codec_error.rebuild()
-            self._saved(
-                key, parent, nbytes, outcome.stored_len, written=outcome.found, rewrite=rewrite
-            )
-        except (StorageError, CodecError) as exc:
-            self.metrics.inc("save_failed")
-            self._log_failure("save", exc)
+            for index, outcome in outcomes:
+                consumed = batch.consumed[index]
+                if consumed is not None:
+                    consumed()
+                error: S3KVError | None = None
+                if outcome.request_error is not None:
+                    error = outcome.request_error.rebuild()
+                if outcome.requested:
+                    storage_error = error if isinstance(error, StorageError) else None
+                    sent = outcome.stored_len if error is None and outcome.found else 0
+                    requests.append(Recorded(outcome.seconds, storage_error, 0, sent))
+                elif outcome.job_id != _NOT_ADMITTED.job_id:  # NOTE: admitted, never made
+                    self.backend.withdraw()
+                if error is None and outcome.codec_error is not None:
+                    error = outcome.codec_error.rebuild()
+                if isinstance(error, StorageError | CodecError):
+                    counts["save_failed"] += 1
+                    self._log_failure("save", error)
+                    continue
+                key = batch.keys[index]
+                if index < len(batch.rewrite) and batch.rewrite[index]:
+                    self.quarantine.discard(key)
+                    counts["save_rewrote_quarantined"] += 1
+                # A refused conditional PUT means another instance wrote the same bytes: the
+                # key exists either way, so the manifest records it as written.
+                writes.append((key, batch.parents[index], outcome.stored_len))
+                if outcome.found:
+                    counts["save_completed"] += 1
+                    counts["save_raw_bytes"] += batch.nbytes
+                    counts["save_stored_bytes"] += outcome.stored_len
+                else:
+                    counts["save_skipped_existing"] += 1
+            self.backend.record_many("put", requests)
+            if writes:
+                self.manifest.record_writes(writes)
+            self.metrics.inc_many(counts)
         finally:
-            self._finish_save(key, nbytes)
+            self._finish_saves([batch.keys[i] for i, _ in outcomes], batch.nbytes)
 
     def _locate(self, data: object) -> tuple[SlabArena, int] | None:
         """The arena and slot ``data`` is (exactly one whole slot), if it is one."""
@@ -1047,9 +1123,13 @@ class KVStore:
         return arena
 
     def _finish_save(self, key: BlockHash, nbytes: int) -> None:
+        self._finish_saves([key], nbytes)
+
+    def _finish_saves(self, keys: Sequence[BlockHash], nbytes: int) -> None:
+        """Saves of ``keys`` (``nbytes`` raw bytes each) no longer in flight."""
         with self._lock:
-            self._saving.discard(key)
-            self._inflight_save_bytes -= nbytes
+            self._saving.difference_update(keys)
+            self._inflight_save_bytes -= nbytes * len(keys)
             self.metrics.set("inflight_save_bytes", self._inflight_save_bytes)
             self._save_space.notify_all()
 
@@ -1157,8 +1237,33 @@ def _finish_open(
 
 #: The outcome of a save no codec process accepted (all of them died meanwhile).
 _NOT_SUBMITTED = Outcome(
-    -1, False, 0.0, Failure("StorageError", "no codec process is running", "codec"), False, 0, None
+    -2, False, 0.0, Failure("StorageError", "no codec process is running", "codec"), False, 0, None
 )
+#: The outcome of a save the circuit breaker refused (job id -1: nothing to withdraw).
+_NOT_ADMITTED = Outcome(
+    -1, False, 0.0,
+    Failure("CircuitOpenError", "s3kv: object store marked unhealthy; skipping the request",
+            "circuit_open"),
+    False, 0, None,
+)  # fmt: skip
+
+
+@dataclass(eq=False)
+class _SaveBatch:
+    """Admitted saves of one size handed to the codec processes together, by index."""
+
+    keys: list[BlockHash]
+    parents: list[BlockHash]
+    consumed: list[Callable[[], None] | None]
+    nbytes: int
+    rewrite: list[bool] = field(default_factory=list)  # NOTE: per submitted job
+
+    def append(
+        self, key: BlockHash, parent: BlockHash, consumed: Callable[[], None] | None
+    ) -> None:
+        self.keys.append(key)
+        self.parents.append(parent)
+        self.consumed.append(consumed)
 
 
 def _start_codec_processes(

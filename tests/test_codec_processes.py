@@ -391,3 +391,55 @@ def test_a_strided_view_the_size_of_a_slot_is_not_taken_for_the_slot(
     assert transposed.nbytes == NBYTES
     assert store._locate(transposed) is None
     assert store._locate(slot) is not None
+
+
+def test_a_batch_of_saves_is_handled_a_message_at_a_time_each_outcome_once(
+    bucket: Path, open_stores: list[KVStore], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    store = open_store(file_config(bucket), open_stores)
+    assert store._offload is not None
+    assert store._offload.wait_ready(20) == 2
+    calls: list[list[int]] = []
+    real = KVStore._saves_done
+
+    def spy(self: KVStore, batch: Any, outcomes: Any) -> None:
+        calls.append([index for index, _ in outcomes])
+        real(self, batch, outcomes)
+
+    monkeypatch.setattr(KVStore, "_saves_done", spy)
+    ids = keys(64, salt=9)
+    consumed = save_blocks(store, ids)
+    assert store.flush(timeout=20)
+    assert consumed[0] == len(ids)
+    delivered = sorted(i for call in calls for i in call)
+    assert delivered == list(range(len(ids)))  # NOTE: every outcome once, none twice
+    assert len(calls) < len(ids)  # NOTE: per message, not per block (was one call each)
+    stats = store.stats()
+    assert stats["save_completed"] == len(ids)
+    assert stats["save_submitted"] == len(ids)
+    assert stats["inflight_save_bytes"] == 0
+    assert stats['requests{op="put"}'] >= len(ids)  # NOTE: and the manifest's own PUTs
+    assert store.manifest.contains_many(ids).all()
+
+
+def test_a_half_open_breaker_lets_one_save_of_a_batch_probe_and_fails_the_rest(
+    bucket: Path, open_stores: list[KVStore]
+) -> None:
+    store = open_store(file_config(bucket, breaker_failures=1, breaker_cooldown=0.05), open_stores)
+    breaker = store.backend.breaker
+    assert breaker is not None
+    assert store._offload is not None
+    assert store._offload.wait_ready(20) == 2
+    breaker.record_failure()
+    assert wait_until(lambda: breaker.state.value == "half_open")
+    ids = keys(4, salt=11)
+    consumed = save_blocks(store, ids)
+    assert store.flush(timeout=20)
+    assert consumed[0] == len(ids)  # NOTE: refused saves hand their buffers back too
+    stats = store.stats()
+    assert stats["save_completed"] == 1
+    assert stats["save_failed"] == 3
+    assert stats['request_errors{kind="circuit_open",op="put"}'] == 3
+    assert stats["inflight_save_bytes"] == 0
+    assert breaker.healthy  # NOTE: the one admitted save was the probe, and it succeeded
+    assert store.manifest.contains_many(ids).tolist() == [True, False, False, False]

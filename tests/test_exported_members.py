@@ -29,7 +29,8 @@ PUBLIC: dict[str, list[str]] = {
         "CircuitBreaker", "CircuitOpenError", "Credentials", "DelegatingBackend",
         "DeleteResult", "FileBackend", "InstrumentedBackend", "MemoryBackend", "ObjectInfo",
         "S3Backend", "ensure_bucket", "is_file_url", "kms_decrypt", "kms_generate",
-        "make_client", "open_backend", "probe_conditional_put", "translate_error", "whoami",
+        "Recorded", "make_client", "open_backend", "probe_conditional_put", "translate_error",
+        "whoami",
     ],
     "s3kv.manifest": [
         "KIND_HIT", "KIND_PIN", "KIND_UNPIN", "KIND_WRITE", "RECORD_DTYPE", "UNKNOWN_PARENT",

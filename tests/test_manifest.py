@@ -388,4 +388,11 @@ def test_malformed_keys_are_rejected_before_queueing(
         m.record_write(BlockHash(b"short"), ROOT_HASH, 1)
     with pytest.raises(ValueError, match="16 bytes"):
         m.record_pin([BlockHash(b"")])
+    good = make_chain(1, seed=31)[0]
+    with pytest.raises(ValueError, match="16 bytes"):
+        m.record_writes([(good, ROOT_HASH, 1), (BlockHash(b"short"), ROOT_HASH, 1)])
     assert m.pending_records == 0
+    assert not m.may_contain(good)  # NOTE: nothing of a refused batch is recorded
+    m.record_writes([(good, ROOT_HASH, 7)])
+    assert m.may_contain(good)
+    assert m.pending_records == 1

@@ -59,6 +59,10 @@ class RecordingManifest:
         self.present.add(bytes(key))
         self.writes.append((bytes(key), bytes(parent), size))
 
+    def record_writes(self, writes: Sequence[tuple[BlockHash, BlockHash, int]]) -> None:
+        for key, parent, size in writes:
+            self.record_write(key, parent, size)
+
     def record_hits(self, keys: Sequence[BlockHash]) -> None:
         self.hits.extend(bytes(k) for k in keys)
 

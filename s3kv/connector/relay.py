@@ -259,6 +259,11 @@ class RelayedManifest:
             self._dropped += 1
         self._log_once("dropped", "s3kv: a write report to rank 0 was dropped (counted)")
 
+    def record_writes(self, writes: Sequence[tuple[BlockHash, BlockHash, int]]) -> None:
+        """:meth:`record_write` of each ``(key, parent, size)``."""
+        for key, parent, size in writes:
+            self.record_write(key, parent, size)
+
     def record_hits(self, keys: Sequence[BlockHash]) -> None:
         """Nothing: rank 0 records hits."""
 

@@ -331,6 +331,24 @@ class Manifest:
             self._queue.append(record)
             self._maybe_wake()
 
+    def record_writes(self, writes: Sequence[tuple[BlockHash, BlockHash, int]]) -> None:
+        """:meth:`record_write` of each ``(key, parent, size)``: one lock, one filter pass.
+
+        Raises:
+            ValueError: a key or parent is not 16 bytes (nothing is recorded).
+        """
+        now = self._clock()
+        records = [(bytes(k), bytes(p), now, int(n), KIND_WRITE, 1) for k, p, n in writes]
+        if any(len(r[0]) != HASH_BYTES or len(r[1]) != HASH_BYTES for r in records):
+            raise ValueError(f"writes: keys and parents must be {HASH_BYTES} bytes")
+        if not records:
+            return
+        with self._lock:
+            self._filter.add_local([r[0] for r in records])
+            for record in records:
+                self._queue.append(record)
+            self._maybe_wake()
+
     def record_hits(self, keys: Sequence[BlockHash]) -> None:
         """Note that ``keys`` served a request (coalesced per key until the next flush).
 

@@ -267,6 +267,11 @@ class ShardView:
         """This shard wrote its part of ``key`` (``size`` stored bytes)."""
         self.presence.record_write(self.shard, key, parent, size)
 
+    def record_writes(self, writes: Sequence[tuple[BlockHash, BlockHash, int]]) -> None:
+        """:meth:`record_write` of each ``(key, parent, size)``."""
+        for key, parent, size in writes:
+            self.presence.record_write(self.shard, key, parent, size)
+
     def record_hits(self, keys: Sequence[BlockHash]) -> None:
         """Hits: forwarded by shard 0's view only (one claim touches every shard)."""
         if self.shard == 0:

@@ -32,8 +32,10 @@ from s3kv.storage import Backend, open_backend
 
 #: How long the sender lets a fetch's outcome wait for others (far below a GET's time).
 _COALESCE_S = 0.0005
-#: How long, and up to how many, save outcomes gather before they are sent.
-_SAVE_COALESCE_S = 0.005
+#: How long, and up to how many, save outcomes gather before they are sent. Nothing waits on
+#: a save's outcome but its buffer's return to the pool; every message costs the store's
+#: process a wake-up and a pass of bookkeeping on the engine's interpreter.
+_SAVE_COALESCE_S = 0.02
 _SAVE_BATCH = 64
 
 

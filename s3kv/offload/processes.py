@@ -9,9 +9,10 @@ or PUT too, so block bytes never pass through the engine's process: it reads and
 slots of shared memory (:class:`~s3kv.arena.SlabArena`) the store's process maps too.
 
 Costs here, per block: one tuple into a list (:meth:`CodecProcesses.submit`, from any
-thread), a share of one pickled message each way, and the outcome's callback on a reader
-thread. Jobs and outcomes are batched per message, so the per-block cost does not grow with
-the number of blocks in flight.
+thread), a share of one pickled message each way, and its share of one callback on a reader
+thread. Jobs and outcomes are batched per message, and the outcomes of a batch submitted
+together (:meth:`CodecProcesses.submit_batch`) reach their callback together, once per
+message: the engine's interpreter pays per message what it paid per block.
 
 Safety: a slot given to a job is written (or read) by that job's process until its outcome
 arrives, so the caller must not reuse it before. When a process dies, its reader waits for
@@ -47,6 +48,10 @@ _MALLOC_THRESHOLD = 64 * 1024 * 1024
 _EXIT_GRACE = 5.0
 
 Done = Callable[[Outcome], None]
+#: Called with ``(index in the batch, outcome)`` pairs, for some of a batch's jobs each time.
+BatchDone = Callable[[Sequence[tuple[int, Outcome]]], None]
+#: Who waits for a job: a :data:`Done` (index -1) or a :data:`BatchDone` and the job's index.
+_Waiter = tuple[Callable[..., None], int]
 
 
 @dataclass(eq=False)
@@ -59,7 +64,7 @@ class _Child:
     alive: bool = True
     ready: bool = False  # NOTE: set up (bucket client open); jobs go to ready ones first
     outbox: list[tuple[int, Job]] = field(default_factory=list)
-    pending: dict[int, Done] = field(default_factory=dict)
+    pending: dict[int, _Waiter] = field(default_factory=dict)
 
 
 class CodecProcesses:
@@ -186,24 +191,27 @@ class CodecProcesses:
                 return False
             child = min(live, key=lambda c: len(c.pending))
             job_id = next(self._ids)
-            child.pending[job_id] = done
+            child.pending[job_id] = (done, -1)
             child.outbox.append((job_id, job))
             self._wake.notify()
         return True
 
-    def submit_many(self, jobs: Sequence[tuple[Job, Done]]) -> bool:
-        """:meth:`submit` for many jobs, spread over the live processes: one lock, one wake-up.
+    def submit_batch(self, jobs: Sequence[Job], done: BatchDone) -> bool:
+        """Queue ``jobs``, spread over the live processes: one lock, one wake-up.
 
-        All or nothing: ``False`` (no ``done`` called) when closing or no process is alive.
+        ``done(pairs)`` runs on reader threads with ``(index in jobs, outcome)`` pairs: every
+        job's outcome is in exactly one call, and a call holds the outcomes of one message
+        (so, usually, many). All or nothing: ``False`` (``done`` never called) when closing
+        or no process is alive. ``done`` must not raise nor call :meth:`close`.
         """
         with self._lock:
             live = sorted(self._takers(), key=lambda c: len(c.pending))
             if self._closing or not live:
                 return False
-            for i, (job, done) in enumerate(jobs):
+            for i, job in enumerate(jobs):
                 child = live[i % len(live)]
                 job_id = next(self._ids)
-                child.pending[job_id] = done
+                child.pending[job_id] = (done, i)
                 child.outbox.append((job_id, job))
             self._wake.notify()
         return True
@@ -240,10 +248,8 @@ class CodecProcesses:
                 # NOTE: one lock and one notification per message, not per outcome: this
                 # thread shares the engine's interpreter.
                 with self._lock:
-                    dones = [(child.pending.pop(o.job_id, None), o) for o in message]
-                for done, outcome in dones:
-                    if done is not None:
-                        _deliver(done, outcome)
+                    pairs = [(child.pending.pop(o.job_id, None), o) for o in message]
+                _deliver_all([(w, o) for w, o in pairs if w is not None])
                 with self._lock:
                     self._changed.notify_all()
         except (EOFError, OSError, pickle.UnpicklingError):
@@ -277,8 +283,9 @@ class CodecProcesses:
                 self.alive,
             )
         failure = Failure("StorageError", f"codec process {reason}", "codec")
-        for job_id, done in orphans.items():
-            _deliver(done, Outcome(job_id, False, 0.0, failure, False, 0, None))
+        _deliver_all(
+            [(w, Outcome(i, False, 0.0, failure, False, 0, None)) for i, w in orphans.items()]
+        )
         child.conn.close()
         child.sock.close()
 
@@ -306,9 +313,21 @@ class CodecProcesses:
         return drained
 
 
-def _deliver(done: Done, outcome: Outcome) -> None:
+def _deliver_all(outcomes: Sequence[tuple[_Waiter, Outcome]]) -> None:
+    """Each single job's callback with its outcome; each batch's once, with its pairs."""
+    batches: dict[int, tuple[Callable[..., None], list[tuple[int, Outcome]]]] = {}
+    for (done, index), outcome in outcomes:
+        if index < 0:
+            _call(done, outcome)
+        else:
+            batches.setdefault(id(done), (done, []))[1].append((index, outcome))
+    for done, pairs in batches.values():
+        _call(done, pairs)
+
+
+def _call(done: Callable[..., None], argument: object) -> None:
     try:
-        done(outcome)
+        done(argument)
     except Exception:  # NOTE: a failing callback must not stop the reader
         logger.exception("s3kv: handling a codec process's outcome failed")
 

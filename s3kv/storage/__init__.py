@@ -35,7 +35,7 @@ from s3kv.storage.base import (
 from s3kv.storage.breaker import BreakerState, CircuitBreaker, CircuitOpenError
 from s3kv.storage.factory import open_backend, whoami
 from s3kv.storage.file import FileBackend, is_file_url
-from s3kv.storage.instrumented import InstrumentedBackend
+from s3kv.storage.instrumented import InstrumentedBackend, Recorded
 from s3kv.storage.memory import MemoryBackend
 
 if TYPE_CHECKING:
@@ -97,6 +97,7 @@ __all__ = [
     "InstrumentedBackend",
     "MemoryBackend",
     "ObjectInfo",
+    "Recorded",
     "S3Backend",
     "ensure_bucket",
     "is_file_url",

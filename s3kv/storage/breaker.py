@@ -81,6 +81,21 @@ class CircuitBreaker:
                 return
         raise CircuitOpenError("s3kv: object store marked unhealthy; skipping the request")
 
+    def admit_many(self, count: int) -> int:
+        """:meth:`before_request` for ``count`` requests at once: how many may be made.
+
+        All of them while closed, one (the probe) while half-open and none is probing,
+        none otherwise. Never raises.
+        """
+        with self._lock:
+            state = self._current()
+            if state is BreakerState.CLOSED:
+                return count
+            if state is BreakerState.HALF_OPEN and not self._probing and count > 0:
+                self._probing = True
+                return 1
+        return 0
+
     def cancel(self) -> None:
         """An admitted request was not made after all: a half-open probe may be admitted again."""
         with self._lock:
