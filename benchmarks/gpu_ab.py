@@ -249,9 +249,15 @@ def measured(
         timer.take()
     threads_before = thread_cpu_ms()
     rid = executor.submit(prompt, new_tokens)
+    gpu = _GpuSpan()
     started = time.perf_counter()
     executor.step()  # NOTE: allocation, claim, load and the prefill are queued in this one
     iter1 = time.perf_counter() - started
+    gpu.end()
+    iter1_connector = timer.take() if timer is not None else {}
+    started = time.perf_counter()
+    executor.step()  # NOTE: overlap: the next step is queued, then the prefill synchronised
+    iter2 = time.perf_counter() - started
     blocks = list(executor.kv_cache_manager.sequences().get(rid, []))
     executor.run_until_complete([rid])
     result = executor.result(rid)
@@ -265,13 +271,40 @@ def measured(
         "ttft_ms": result.ttft_s * 1e3,
         "decode_ms": decode_step_ms(result),
         "iter1_ms": iter1 * 1e3,
+        "iter2_ms": iter2 * 1e3,
+        "iter1_gpu_ms": gpu.elapsed_ms(),
+        "iter1_connector_ms": iter1_connector,
         "reuse_tokens": result.reused_tokens,
         "connector_tokens": result.connector_tokens,
         "output": list(result.output_tokens),
         "blocks": blocks,
-        "connector_ms": timer.take() if timer is not None else {},
+        "connector_ms": _summed(iter1_connector, timer.take() if timer is not None else {}),
         "gc_ms": round(sum(GC_TIMES) * 1e3, 3),
     }
+
+
+class _GpuSpan:
+    """GPU time from now to the end of the work queued on the current stream by :meth:`end`
+    (NaN on the CPU): with the host ahead, the device's time for that work."""
+
+    def __init__(self) -> None:
+        self._events: list[Any] = []
+        if torch.cuda.is_available():
+            start = torch.cuda.Event(enable_timing=True)
+            start.record()
+            self._events.append(start)
+
+    def end(self) -> None:
+        if self._events:
+            stop = torch.cuda.Event(enable_timing=True)
+            stop.record()
+            self._events.append(stop)
+
+    def elapsed_ms(self) -> float:
+        if len(self._events) < 2:
+            return math.nan
+        self._events[1].synchronize()
+        return float(self._events[0].elapsed_time(self._events[1]))
 
 
 def thread_cpu_ms() -> dict[str, float]:
@@ -660,6 +693,10 @@ def pct(new: list[float], old: list[float]) -> float:
     return round((statistics.median(new) / statistics.median(old) - 1) * 100, 2)
 
 
+def _summed(a: dict[str, float], b: dict[str, float]) -> dict[str, float]:
+    return {k: round(a.get(k, 0.0) + b.get(k, 0.0), 3) for k in {*a, *b}}
+
+
 def _medians(dicts: list[dict[str, float]]) -> dict[str, float]:
     keys = sorted({k for d in dicts for k in d})
     return {k: round(statistics.median([d.get(k, 0.0) for d in dicts]), 3) for k in keys}
@@ -733,6 +770,21 @@ def report(
          per_trial_ms=[[round(x, 2), round(y, 2)] for x, y in zip(cold_conn, cold_ref,
                                                                strict=True)],
          trials=len(pairs), **common)  # fmt: skip
+
+    def cold(name: str, field: str) -> float:
+        return median([w[name]["cold"][field] for w, _ in pairs])
+
+    emit(out, "gpu.cold_first_iterations_ms", cold("conn", "ttft_ms"), "ms",
+         note="cold prefill with the connector: host time of iterations 1 and 2, the GPU "
+              "time of iteration 1's work, the connector's host time in iteration 1",
+         iter1_host_ms=cold("conn", "iter1_ms"),
+         iter1_host_without_connector_ms=cold("ref", "iter1_ms"),
+         iter2_host_ms=cold("conn", "iter2_ms"),
+         iter2_host_without_connector_ms=cold("ref", "iter2_ms"),
+         iter1_gpu_ms=cold("conn", "iter1_gpu_ms"),
+         iter1_gpu_without_connector_ms=cold("ref", "iter1_gpu_ms"),
+         iter1_connector_ms=_medians([w["conn"]["cold"]["iter1_connector_ms"] for w, _ in pairs]),
+         ttft_without_connector_ms=cold("ref", "ttft_ms"), **common)  # fmt: skip
     emit(out, "gpu.save_overhead_pct", pct(dec_conn, dec_ref), "%", step="decode",
          decode_step_ms=median(dec_conn), decode_step_without_connector_ms=median(dec_ref),
          trials=len(pairs),

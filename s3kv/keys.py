@@ -406,6 +406,14 @@ class KeyChain(Sequence[BlockHash]):
                 upto = min(available, max(n_blocks, have + self.STEP), have + self.MAX_STEP)
                 self._hash(have, upto)
 
+    def keys(self, start: int, stop: int) -> list[BlockHash]:
+        """Keys of blocks ``start .. stop - 1`` (``stop`` at most :func:`len`), hashed now.
+
+        One call for a run of blocks: what a loop of ``chain[i]`` costs per block, once.
+        """
+        self.ensure(stop)
+        return self._keys[start:stop]
+
     def extend(self, tokens: Sequence[int]) -> None:
         """Append ``tokens`` (those after the ones given so far).
 

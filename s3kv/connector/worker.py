@@ -24,12 +24,12 @@ Contracts:
 from __future__ import annotations
 
 import bisect
-import functools
 import logging
 import threading
-from collections import defaultdict, deque
+from collections import Counter, defaultdict, deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -121,20 +121,35 @@ class SaveBufferPool:
         self._free: list[Any] = []
         self._allocated = 0
         self._lock = threading.Lock()
+        self._arrays: dict[int, np.ndarray] = {}  # id(buffer) -> its numpy view (made once)
 
     def acquire(self) -> Any | None:
         """A free uint8 tensor of ``block_nbytes``, or ``None`` at the bound."""
+        taken = self.acquire_many(1)
+        return taken[0] if taken else None
+
+    def acquire_many(self, count: int) -> list[Any]:
+        """Up to ``count`` free buffers (fewer at the bound), under one lock."""
         with self._lock:
-            if self._free:
-                return self._free.pop()
-            if self._allocated >= self.capacity:
-                return None
-            self._allocated += 1
+            reused = self._free[-count:] if count else []
+            del self._free[len(self._free) - len(reused) :]
+            fresh = max(0, min(count - len(reused), self.capacity - self._allocated))
+            self._allocated += fresh
+        return reused + [self._new() for _ in range(fresh)]
+
+    def _new(self) -> Any:
         torch = _torch()
         if self._arena is not None:
             # NOTE: shares the slot's memory (page-locked by the arena under CUDA).
-            return torch.from_numpy(self._arena.allocate(self.block_nbytes))
-        return torch.empty(self.block_nbytes, dtype=torch.uint8, pin_memory=self._pinned)
+            buffer = torch.from_numpy(self._arena.allocate(self.block_nbytes))
+        else:
+            buffer = torch.empty(self.block_nbytes, dtype=torch.uint8, pin_memory=self._pinned)
+        self._arrays[id(buffer)] = buffer.numpy()
+        return buffer
+
+    def array(self, buffer: Any) -> np.ndarray:
+        """The numpy view of one of this pool's buffers (the same memory)."""
+        return self._arrays[id(buffer)]
 
     def release(self, buffer: Any) -> None:
         """Give a buffer back (called once the store has encoded it)."""
@@ -372,15 +387,10 @@ class WorkerCore:
         self._drain(block=False)
         if not metadata.saves:
             return
-        ops: list[SaveOp] = []
-        buffers: list[Any] = []
-        for op in metadata.saves:
-            buffer = self._buffers.acquire()
-            if buffer is None:
-                self.store.metrics.inc("connector_save_buffers_full")
-                continue
-            ops.append(op)
-            buffers.append(buffer)
+        buffers = self._buffers.acquire_many(len(metadata.saves))
+        ops = list(metadata.saves[: len(buffers)])
+        if len(ops) < len(metadata.saves):
+            self.store.metrics.inc("connector_save_buffers_full", len(metadata.saves) - len(ops))
         if not ops:
             return
         pairs = [(buffer, self._view(op.block_id)) for op, buffer in zip(ops, buffers, strict=True)]
@@ -390,8 +400,8 @@ class WorkerCore:
             for buffer in buffers:
                 self._buffers.release(buffer)
             raise
-        for op in ops:
-            self._inflight[op.request_id] += 1
+        for request_id, count in Counter(op.request_id for op in ops).items():
+            self._inflight[request_id] += count
         self._pending.append(_PendingCopy(event, ops, buffers))
         self._drain(block=False)
 
@@ -404,21 +414,17 @@ class WorkerCore:
                     return
                 pending.event.synchronize()
             self._pending.popleft()
-            for op in pending.ops:
-                self._inflight[op.request_id] -= 1
-                if not self._inflight[op.request_id]:
-                    del self._inflight[op.request_id]
+            for request_id, count in Counter(op.request_id for op in pending.ops).items():
+                self._inflight[request_id] -= count
+                if not self._inflight[request_id]:
+                    del self._inflight[request_id]
             self._hand_to_store(pending.ops, pending.buffers)
 
     def _hand_to_store(self, ops: Sequence[SaveOp], buffers: Sequence[Any]) -> None:
         """One forward pass's copied blocks to the store, in one call."""
+        release, array = self._buffers.release, self._buffers.array
         blocks = [
-            (
-                BlockHash(op.key),
-                BlockHash(op.parent),
-                buffer.numpy(),
-                functools.partial(self._buffers.release, buffer),
-            )
+            (BlockHash(op.key), BlockHash(op.parent), array(buffer), partial(release, buffer))
             for op, buffer in zip(ops, buffers, strict=True)
         ]
         try:
