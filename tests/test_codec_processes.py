@@ -24,7 +24,7 @@ from s3kv.auth import new_key_line
 from s3kv.config import S3KVConfig
 from s3kv.keys import ROOT_HASH, BlockHash, ModelIdentity
 from s3kv.offload import CodecProcesses
-from s3kv.storage import FileBackend
+from s3kv.storage import CircuitBreaker, FileBackend
 from s3kv.store import KVStore, SaveStatus
 
 LAYERS, ELEMS = 2, 512  # one block: 2 layers x K,V x 512 bf16 = 4 KiB
@@ -285,14 +285,21 @@ def test_a_process_that_cannot_start_is_logged_once_and_takes_no_jobs(
     assert "profile" in lines[0]
 
 
-def test_an_open_breaker_submits_nothing_and_a_failed_submit_returns_the_probe(
-    bucket: Path, open_stores: list[KVStore]
-) -> None:
+def tripped_store(bucket: Path, open_stores: list[KVStore]) -> tuple[KVStore, CircuitBreaker]:
+    """A store whose codec processes are set up and whose breaker has just opened."""
     store = open_store(file_config(bucket, breaker_failures=1, breaker_cooldown=0.05), open_stores)
     breaker = store.backend.breaker
     assert breaker is not None
     assert store._offload is not None
+    assert store._offload.wait_ready(20) == 2
     breaker.record_failure()
+    return store, breaker
+
+
+def test_an_open_breaker_submits_nothing_and_a_failed_submit_returns_the_probe(
+    bucket: Path, open_stores: list[KVStore]
+) -> None:
+    store, breaker = tripped_store(bucket, open_stores)
     assert not breaker.healthy
     blocks = [(keys(1)[0], ROOT_HASH, np.zeros(NBYTES, np.uint8), None)]
     assert store.save_many(blocks, dtype="bfloat16", shape=(LAYERS, 2, ELEMS)) == [
@@ -425,12 +432,7 @@ def test_a_batch_of_saves_is_handled_a_message_at_a_time_each_outcome_once(
 def test_a_half_open_breaker_lets_one_save_of_a_batch_probe_and_fails_the_rest(
     bucket: Path, open_stores: list[KVStore]
 ) -> None:
-    store = open_store(file_config(bucket, breaker_failures=1, breaker_cooldown=0.05), open_stores)
-    breaker = store.backend.breaker
-    assert breaker is not None
-    assert store._offload is not None
-    assert store._offload.wait_ready(20) == 2
-    breaker.record_failure()
+    store, breaker = tripped_store(bucket, open_stores)
     assert wait_until(lambda: breaker.state.value == "half_open")
     ids = keys(4, salt=11)
     consumed = save_blocks(store, ids)
