@@ -317,6 +317,37 @@ def _check_lora(value: str) -> None:
     _lora_map(value)
 
 
+_CPU_LIST_RE = re.compile(r"^\d+(-\d+)?(,\d+(-\d+)?)*$", re.ASCII)
+_MAX_CPU = 1 << 16  # NOTE: above Linux's largest NR_CPUS (8192); bounds a typo's set
+
+
+def parse_cpu_list(text: str) -> frozenset[int]:
+    """CPUs named by a list such as ``0-3,8,10-11`` (Linux's cpulist format; spaces ignored).
+
+    Raises:
+        ValueError: one line saying what is wrong and what the format is.
+    """
+    compact = text.replace(" ", "")
+    if not _CPU_LIST_RE.match(compact):
+        raise ValueError(f"expected a CPU list like 8-15 or 4,5,12-15, got {_show(text)}")
+    cpus: set[int] = set()
+    for part in compact.split(","):
+        first, _, last = part.partition("-")
+        low, high = int(first), int(last or first)
+        if low > high or high >= _MAX_CPU:
+            raise ValueError(f"CPU range {part!r} is empty or beyond CPU {_MAX_CPU - 1}")
+        cpus.update(range(low, high + 1))
+    return frozenset(cpus)
+
+
+def _check_cpus(value: str) -> None:
+    if value not in ("auto", "inherit"):
+        try:
+            parse_cpu_list(value)
+        except ValueError as exc:
+            raise _RuleError(f"must be auto, inherit or a CPU list: {exc}") from None
+
+
 @dataclass(frozen=True, kw_only=True)
 class S3KVConfig:
     """All s3kv settings. Memory cost of the bounded resources is stated per field."""
@@ -395,6 +426,12 @@ class S3KVConfig:
         "(io_threads is then the total GET/PUT concurrency).",
         low=0,
         high=64,
+    )
+    codec_cpus: str = _plain(
+        "auto",
+        "CPUs of the codec processes: auto (the engine's CPUs where they leave room, else the "
+        "CPUs outside them), inherit (the engine's), or a list like 8-15 or 4,5,12-15.",
+        check=_check_cpus,
     )
     codec: CodecName = _plain(
         "planes-zstd",
@@ -753,6 +790,7 @@ __all__ = [
     "LOG_LEVELS",
     "S3KVConfig",
     "SavePolicy",
+    "parse_cpu_list",
     "parse_duration",
     "parse_size",
 ]

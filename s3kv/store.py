@@ -56,7 +56,18 @@ from s3kv.errors import (
 from s3kv.keys import BlockHash, ModelIdentity, block_object_key, identity_object_key
 from s3kv.manifest import CompactionPolicy, Manifest, UsageTable, load_usage
 from s3kv.metrics import Export, Metrics, exporter
-from s3kv.offload import CodecProcesses, Failure, FetchJob, Job, Outcome, SaveJob, open_stored
+from s3kv.offload import (
+    CodecProcesses,
+    Failure,
+    FetchJob,
+    Job,
+    Outcome,
+    Placement,
+    SaveJob,
+    choose_cpus,
+    log_placement,
+    open_stored,
+)
 from s3kv.pool import IOPool, Priority
 from s3kv.quarantine import Quarantine
 from s3kv.staging import HostAllocator, HostBuffer, StagingCache
@@ -294,6 +305,12 @@ class KVStore:
         keyring = load_keyring(
             config.auth_keys, accept_unsigned=config.auth_accept_unsigned, region=config.region
         )
+        # NOTE: before anything opens: a CPU list this host lacks is a bad setting.
+        placement = (
+            choose_cpus(config.codec_cpus, config.codec_processes)
+            if config.codec_processes
+            else None
+        )
         metrics = Metrics()
         breaker = CircuitBreaker(config.breaker_failures, config.breaker_cooldown)
         access = BucketAccess(config, backend)
@@ -326,7 +343,12 @@ class KVStore:
             else None
         )
         offload, staging_arena = _start_codec_processes(
-            config, keyring, block_nbytes, injected=backend is not None, allocator=allocator
+            config,
+            keyring,
+            block_nbytes,
+            injected=backend is not None,
+            allocator=allocator,
+            placement=placement,
         )
         try:
             store = cls(
@@ -1273,6 +1295,7 @@ def _start_codec_processes(
     *,
     injected: bool,
     allocator: HostAllocator | None,
+    placement: Placement | None,
 ) -> tuple[CodecProcesses | None, SlabArena | None]:
     """The codec processes ``codec_processes`` asks for, and a staging arena when the caller
     gave no allocator; ``(None, None)`` with one WARNING when they cannot work here."""
@@ -1295,6 +1318,7 @@ def _start_codec_processes(
             processes=processes,
             threads=-(-config.io_threads // processes),
             keyring=keyring,
+            cpus=placement.cpus if placement is not None else None,
         )
     except (OSError, S3KVError) as exc:
         logger.warning(
@@ -1304,6 +1328,8 @@ def _start_codec_processes(
         if arena is not None:
             arena.close()
         return None, None
+    if placement is not None:
+        log_placement(placement, processes)
     return offload, arena
 
 

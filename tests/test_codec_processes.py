@@ -22,8 +22,9 @@ from s3kv import codec
 from s3kv.arena import SlabArena
 from s3kv.auth import new_key_line
 from s3kv.config import S3KVConfig
+from s3kv.errors import ConfigError
 from s3kv.keys import ROOT_HASH, BlockHash, ModelIdentity
-from s3kv.offload import CodecProcesses
+from s3kv.offload import CodecProcesses, affinity
 from s3kv.storage import CircuitBreaker, FileBackend
 from s3kv.store import KVStore, SaveStatus
 
@@ -445,3 +446,90 @@ def test_a_half_open_breaker_lets_one_save_of_a_batch_probe_and_fails_the_rest(
     assert stats["inflight_save_bytes"] == 0
     assert breaker.healthy  # NOTE: the one admitted save was the probe, and it succeeded
     assert store.manifest.contains_many(ids).tolist() == [True, False, False, False]
+
+
+# --- where the processes run (codec_cpus) ---
+
+
+def thread_masks(pid: int) -> set[str]:
+    """``Cpus_allowed_list`` of every thread of ``pid`` (the kernel's own account)."""
+    masks = set()
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        for line in (task / "status").read_text().splitlines():
+            if line.startswith("Cpus_allowed_list:"):
+                masks.add(line.split(":", 1)[1].strip())
+    return masks
+
+
+@pytest.fixture
+def engine_on_cpu0() -> Iterator[None]:
+    """This thread (the 'engine') pinned to CPU 0, as a launcher would pin a rank."""
+    if len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("needs two CPUs")
+    before = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, {0})
+    try:
+        yield
+    finally:
+        os.sched_setaffinity(0, before)
+
+
+def test_codec_processes_leave_the_cpu_the_engine_is_pinned_to(
+    bucket: Path, open_stores: list[KVStore], no_local_codec: None, engine_on_cpu0: None
+) -> None:
+    writer = open_store(file_config(bucket, codec_processes=1), open_stores)
+    save_blocks(writer, keys(4))
+    assert writer.flush(timeout=20)
+    assert writer.stats()["codec_processes_alive"] == 1
+    (pid,) = writer._offload.pids  # type: ignore[union-attr]
+    others = affinity.format_cpus(affinity.online_cpus() - {0})
+    # NOTE: every thread, the codec workers included: they start after the pinning.
+    assert thread_masks(pid) == {others}
+    assert len(list(Path(f"/proc/{pid}/task").iterdir())) > 2
+
+
+def test_inherit_keeps_the_codec_on_the_engines_cpu_and_says_it_will_slow_it(
+    bucket: Path,
+    open_stores: list[KVStore],
+    engine_on_cpu0: None,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    caplog.set_level(logging.WARNING, logger="s3kv")
+    store = open_store(file_config(bucket, codec_processes=1, codec_cpus="inherit"), open_stores)
+    (pid,) = store._offload.pids  # type: ignore[union-attr]
+    assert wait_until(lambda: store._offload.wait_ready(0.1) == 1)  # type: ignore[union-attr]
+    assert thread_masks(pid) == {"0"}
+    lines = [r.getMessage() for r in caplog.records if "codec_cpus" in r.getMessage()]
+    assert len(lines) == 1
+    assert "share CPUs 0 with the engine" in lines[0]
+
+
+def test_a_cpu_list_pins_the_processes_and_a_refused_one_is_said_once(
+    bucket: Path, open_stores: list[KVStore], caplog: pytest.LogCaptureFixture
+) -> None:
+    config = file_config(bucket)
+    processes = CodecProcesses(config, processes=2, threads=1, cpus=frozenset({1}))
+    try:
+        assert processes.wait_ready(20) == 2
+        for pid in processes.pids:
+            assert thread_masks(pid) == {"1"}
+    finally:
+        processes.close(timeout=5)
+    caplog.set_level(logging.WARNING, logger="s3kv")
+    # NOTE: a CPU the kernel refuses (beyond the host, or outside a container's cpuset).
+    refused = CodecProcesses(config, processes=2, threads=1, cpus=frozenset({4095}))
+    try:
+        assert refused.wait_ready(20) == 2
+    finally:
+        refused.close(timeout=5)
+    lines = [r.getMessage() for r in caplog.records if "codec_cpus" in r.getMessage()]
+    assert len(lines) == 1
+    assert "cannot pin to CPUs 4095" in lines[0]
+
+
+def test_a_cpu_list_this_host_lacks_stops_the_store_before_anything_starts(
+    bucket: Path, open_stores: list[KVStore]
+) -> None:
+    with pytest.raises(ConfigError, match=r"^codec_cpus: CPUs 4000 are not online"):
+        open_store(file_config(bucket, codec_cpus="4000"), open_stores)
+    assert not list(bucket.iterdir())  # NOTE: no manifest was opened, nothing written

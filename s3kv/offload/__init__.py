@@ -7,12 +7,14 @@ Parts (users import this front, never the parts):
 * ``processes`` — :class:`CodecProcesses`, the store's side: starts the processes, batches
   jobs to them, delivers outcomes, and survives their death.
 * ``child`` — the process itself (``python -m s3kv.offload.child FD``).
+* ``affinity`` — which CPUs the processes run on (``codec_cpus``): :func:`choose_cpus`.
 * ``work`` — one job's work, and :func:`open_stored`, the one way a stored block is opened
   (the store's in-thread path uses it too).
 
 A store uses them when ``codec_processes`` > 0 (:mod:`s3kv.store`).
 """
 
+from s3kv.offload.affinity import Placement, choose_cpus, log_placement
 from s3kv.offload.jobs import Failure, FetchJob, Job, Outcome, SaveJob
 from s3kv.offload.processes import CodecProcesses
 from s3kv.offload.work import open_stored
@@ -23,6 +25,9 @@ __all__ = [
     "FetchJob",
     "Job",
     "Outcome",
+    "Placement",
     "SaveJob",
+    "choose_cpus",
+    "log_placement",
     "open_stored",
 ]

@@ -37,6 +37,7 @@ from multiprocessing.connection import Connection
 
 from s3kv.auth import Keyring
 from s3kv.config import S3KVConfig
+from s3kv.offload import affinity
 from s3kv.offload.jobs import Failure, Job, Outcome
 
 logger = logging.getLogger(__name__)
@@ -67,6 +68,20 @@ class _Child:
     pending: dict[int, _Waiter] = field(default_factory=dict)
 
 
+def _pin(pids: Sequence[int], cpus: frozenset[int]) -> None:
+    """Pin each process to ``cpus``, at once after its start (before its threads exist, so
+    they inherit it); where that is refused, say so once and leave them as they are."""
+    for pid in pids:
+        refused = affinity.apply(pid, cpus)
+        if refused is not None:
+            logger.warning(
+                "s3kv: %s: %s; the codec processes keep the engine's CPUs",
+                affinity.SETTING,
+                refused,
+            )
+            return
+
+
 class CodecProcesses:
     """``processes`` codec processes, each running ``threads`` jobs at a time.
 
@@ -75,6 +90,8 @@ class CodecProcesses:
         processes: How many processes (>= 1).
         threads: Jobs each process runs at once (its GET/PUT concurrency).
         keyring: Block keys, handed to the processes over their private sockets.
+        cpus: The CPUs the processes may run on (:mod:`s3kv.offload.affinity`); None keeps
+            the mask they inherit from this process.
         name: Prefix of the threads here.
 
     Starting does not wait for the processes: jobs submitted meanwhile wait in their socket.
@@ -90,6 +107,7 @@ class CodecProcesses:
         processes: int,
         threads: int,
         keyring: Keyring | None = None,
+        cpus: frozenset[int] | None = None,
         name: str = "s3kv-codec",
     ) -> None:
         self._lock = threading.Lock()
@@ -105,7 +123,15 @@ class CodecProcesses:
             keyring.accept_unsigned if keyring is not None else False,
             threads,
         )
-        self._children = [self._spawn(i, setup, name) for i in range(max(1, processes))]
+        self._children = [self._spawn(i) for i in range(max(1, processes))]
+        if cpus is not None:
+            _pin([child.process.pid for child in self._children], cpus)
+        # NOTE: sent after the pinning: a process starts its threads only once it has its
+        # setup, so every one of them inherits the mask.
+        message = pickle.dumps(setup, pickle.HIGHEST_PROTOCOL)
+        for child in self._children:
+            with contextlib.suppress(OSError):  # NOTE: its reader sees it died
+                child.conn.send_bytes(message)
         for child in self._children:
             child.reader = threading.Thread(
                 target=self._read_loop,
@@ -118,7 +144,7 @@ class CodecProcesses:
         self._sender.start()
 
     @staticmethod
-    def _spawn(index: int, setup: object, name: str) -> _Child:
+    def _spawn(index: int) -> _Child:
         ours, theirs = socket.socketpair()
         env = dict(os.environ)
         # NOTE: the child imports s3kv from wherever this process did (a source tree too).
@@ -141,7 +167,6 @@ class CodecProcesses:
         # NOTE: the connection reads and writes a duplicate; the socket itself stays here so
         # close() can shut its sending side, which ends the process's input.
         conn = Connection(os.dup(ours.fileno()))
-        conn.send_bytes(pickle.dumps(setup, pickle.HIGHEST_PROTOCOL))
         return _Child(index, process, conn, ours)
 
     # --- queries ---
