@@ -259,6 +259,11 @@ def measured(
     executor.step()  # NOTE: overlap: the next step is queued, then the prefill synchronised
     iter2 = time.perf_counter() - started
     blocks = list(executor.kv_cache_manager.sequences().get(rid, []))
+    steps: list[list[float]] = []  # NOTE: [host ms, saves still with the codec] per step
+    while not executor.is_finished(rid):
+        started = time.perf_counter()
+        executor.step()
+        steps.append([round((time.perf_counter() - started) * 1e3, 3), _saves_outstanding()])
     executor.run_until_complete([rid])
     result = executor.result(rid)
     threads_after = thread_cpu_ms()
@@ -280,7 +285,19 @@ def measured(
         "blocks": blocks,
         "connector_ms": _summed(iter1_connector, timer.take() if timer is not None else {}),
         "gc_ms": round(sum(GC_TIMES) * 1e3, 3),
+        "steps": steps,
     }
+
+
+def _saves_outstanding() -> int:
+    """Jobs the connector's stores have handed to codec processes and not heard back on."""
+    from s3kv.connector.shared import process_state
+
+    total = 0
+    for store in list(process_state().stores.values()):
+        offload = getattr(store, "_offload", None)
+        total += offload.outstanding if offload is not None else 0
+    return total
 
 
 class _GpuSpan:
@@ -491,6 +508,13 @@ def _one_rank() -> None:
     from s3kv.connector.comm import SingleProcess, install_collectives
 
     install_collectives(SingleProcess())
+    cpus = os.environ.get("S3KV_AB_ENGINE_CPUS", "")
+    if cpus:
+        # NOTE: as a launcher pins a rank (taskset, numactl): the codec processes this
+        # process starts later see the mask (codec_cpus=auto moves them off it).
+        from s3kv.config import parse_cpu_list
+
+        os.sched_setaffinity(0, parse_cpu_list(cpus))
 
 
 def _default_group_bytes() -> int:
@@ -660,7 +684,8 @@ def run_shape(label: str, shape: dict[str, Any], args: argparse.Namespace) -> di
         "prefix_tokens": prefix_tokens, "profile": args.profile,
         "load_groups": [0 if v == "default" else _size(v) for v in args.load_groups.split(",")],
         "prompts": prompts(shape["vocab"], prefix_tokens, args.trials),
-        "codec_processes": args.codec_processes,
+        "codec_processes": args.codec_processes, "engine_cpus": args.engine_cpus,
+        "codec_cpus": args.codec_cpus,
     }  # fmt: skip
     with tempfile.TemporaryDirectory(prefix="s3kv-ab-bucket-") as bucket:
         os.environ.update({
@@ -669,6 +694,7 @@ def run_shape(label: str, shape: dict[str, Any], args: argparse.Namespace) -> di
             "TLLM_S3KV_MANIFEST_COMPACTION": "off",  # NOTE: a 20 s maintenance cycle, no load
             "TLLM_S3KV_STAGING_BYTES": args.staging, "TLLM_S3KV_WARM_START_BYTES": args.staging,
             "TLLM_S3KV_CODEC_PROCESSES": str(args.codec_processes),
+            "TLLM_S3KV_CODEC_CPUS": args.codec_cpus, "S3KV_AB_ENGINE_CPUS": args.engine_cpus,
         })  # fmt: skip
         started = time.perf_counter()
         written = run_tensor_parallel(1, writer, job, timeout=1800.0)[0]
@@ -697,6 +723,12 @@ def _summed(a: dict[str, float], b: dict[str, float]) -> dict[str, float]:
     return {k: round(a.get(k, 0.0) + b.get(k, 0.0), 3) for k in {*a, *b}}
 
 
+def _by_position(runs: list[list[list[float]]], field: int) -> list[float]:
+    """Median over runs of ``field`` at each position (as long as the shortest run)."""
+    length = min((len(r) for r in runs), default=0)
+    return [round(statistics.median(r[i][field] for r in runs), 2) for i in range(length)]
+
+
 def _medians(dicts: list[dict[str, float]]) -> dict[str, float]:
     keys = sorted({k for d in dicts for k in d})
     return {k: round(statistics.median([d.get(k, 0.0) for d in dicts]), 3) for k in keys}
@@ -715,6 +747,7 @@ def report(
         "dtype": "bfloat16", "tokens_per_block": TPB,
         "prompt_tokens": job["prefix_tokens"] + SUFFIX, "prefix_tokens": job["prefix_tokens"],
         "codec_processes": job.get("codec_processes", 0),
+        "engine_cpus": job.get("engine_cpus", ""), "codec_cpus": job.get("codec_cpus", "auto"),
     }  # fmt: skip
     loaded = [r["connector_tokens"] // TPB for r in read["trials"]]
     load_bytes = statistics.median(loaded) * block_nbytes
@@ -796,6 +829,14 @@ def report(
          thread_cpu_ms_cold_without_connector=_medians([w["ref"]["cold"].get("thread_cpu_ms", {})
                                                         for w, _ in pairs]),
          **common)  # fmt: skip
+    emit(out, "gpu.cold_decode_steps_ms", median(dec_conn), "ms",
+         note="host time of each step after the first two of the cold request, median over "
+              "trials by position; outstanding: saves still with the codec processes then",
+         with_connector=_by_position([w["conn"]["cold"]["steps"] for w, _ in pairs], 0),
+         without_connector=_by_position([w["ref"]["cold"]["steps"] for w, _ in pairs], 0),
+         outstanding=_by_position([w["conn"]["cold"]["steps"] for w, _ in pairs], 1),
+         paired_pct=[round(pct([x], [y]), 1) for x, y in zip(dec_conn, dec_ref, strict=True)],
+         **common)  # fmt: skip
     emit(out, "gpu.decode_step_ms", median([w["conn"]["reuse"]["decode_ms"] for w, _ in pairs]),
          "ms", saving=False, note="device-reuse requests, nothing to save",
          without_connector_ms=median([w["ref"]["reuse"]["decode_ms"] for w, _ in pairs]),
@@ -822,6 +863,13 @@ def main() -> int:
         "--codec-processes", type=int, default=0,
         help="the codec_processes setting of both the writer and the reader",
     )  # fmt: skip
+    parser.add_argument(
+        "--engine-cpus",
+        default="",
+        help="pin the writer and reader to these CPUs, as a launcher would "
+        "(e.g. 0-1); the codec processes then follow codec_cpus",
+    )
+    parser.add_argument("--codec-cpus", default="auto", help="the codec_cpus setting")
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--staging", default="6GiB")
     parser.add_argument("--load-groups", default="default",
