@@ -198,6 +198,17 @@ class SlabArena:
         start = slot * self.slot_bytes
         return self._array[start : start + self.slot_bytes]
 
+    def span(self, slot: int, count: int) -> HostBuffer:
+        """The bytes of ``count`` consecutive slots from ``slot`` (one view of them all).
+
+        Raises:
+            ValueError: the run does not lie within the arena.
+        """
+        if count < 1 or not 0 <= slot <= self.slots - count:
+            raise ValueError(f"slots {slot}..{slot + count - 1} are not within the arena")
+        start = slot * self.slot_bytes
+        return self._array[start : start + count * self.slot_bytes]
+
     def close(self) -> None:
         """Unmap and close; the memory is freed once no process holds it any more."""
         if self.pinned:

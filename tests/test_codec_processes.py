@@ -533,3 +533,63 @@ def test_a_cpu_list_this_host_lacks_stops_the_store_before_anything_starts(
     with pytest.raises(ConfigError, match=r"^codec_cpus: CPUs 4000 are not online"):
         open_store(file_config(bucket, codec_cpus="4000"), open_stores)
     assert not list(bucket.iterdir())  # NOTE: no manifest was opened, nothing written
+
+
+# --- the worker's device->host copies into the save arena ---
+
+
+def test_runs_of_consecutive_blocks_are_copied_once_per_run_into_consecutive_slots(
+    bucket: Path,
+    no_local_codec: None,
+    open_stores: list[KVStore],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import torch
+
+    from s3kv.connector.completion import CompletionBoard
+    from s3kv.connector.device import SyncCopyEngine
+    from s3kv.connector.metadata import ConnectorMetadata, SaveOp
+    from s3kv.connector.worker import WorkerCore
+
+    copies: list[int] = []
+    real_save = SyncCopyEngine.save
+
+    def counted(self: SyncCopyEngine, pairs: Any, stream: Any) -> Any:
+        copies.append(len(pairs))
+        return real_save(self, pairs, stream)
+
+    monkeypatch.setattr(SyncCopyEngine, "save", counted)
+    store = open_store(file_config(bucket, codec_processes=1), open_stores)
+    pool = torch.stack([torch.from_numpy(block_bytes(b).view(np.int16)) for b in range(16)])
+    pool = pool.view(torch.bfloat16).view(16, LAYERS, 2, ELEMS)
+    core = WorkerCore(0, store, pool, 16 * NBYTES, board=CompletionBoard.private())
+    block_ids = [3, 4, 5, 6, 9, 10, 12]  # NOTE: runs 3-6 and 9-10, then 12 alone
+    ids = keys(len(block_ids), salt=9)
+    saves = tuple(
+        SaveOp(request_id=1, block_id=b, key=bytes(k), parent=bytes(ROOT_HASH))
+        for b, k in zip(block_ids, ids, strict=True)
+    )
+    core.save_after_forward(ConnectorMetadata(saves=saves))
+    core.flush()
+    assert store.flush(timeout=20)
+    assert copies == [3]
+    # NOTE: the second pass reuses the buffers the first gave back: the lowest slots first.
+    again = keys(len(block_ids), salt=10)
+    core.save_after_forward(
+        ConnectorMetadata(
+            saves=tuple(
+                SaveOp(request_id=2, block_id=b, key=bytes(k), parent=bytes(ROOT_HASH))
+                for b, k in zip(block_ids, again, strict=True)
+            )
+        )
+    )
+    core.flush()
+    assert store.flush(timeout=20)
+    assert copies == [3, 3]
+    reader = open_store(file_config(bucket, codec_processes=1), open_stores)
+    reader.prefetch(ids + again)
+    assert reader.wait_staged(ids + again, timeout=20) == 2 * len(ids)
+    for key, block in zip(ids + again, block_ids + block_ids, strict=True):
+        staged = reader.staged(key)
+        assert staged is not None
+        assert np.array_equal(staged, block_bytes(block))

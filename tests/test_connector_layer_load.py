@@ -50,6 +50,7 @@ class FakeEngine:
     waits: list[str] = field(default_factory=list)
     events: list[FakeEvent] = field(default_factory=list)
     loads: int = 0
+    defers_saves: bool = False
 
     def mark_forward(self, stream: Any) -> None:
         return None

@@ -90,6 +90,11 @@ SavePair = tuple[Any, Any]
 class CopyEngine(Protocol):
     """Enqueues the worker's copies; every method returns without waiting for the device."""
 
+    #: Whether the worker queues a forward pass's save copies at ``get_finished`` rather
+    #: than in ``wait_for_save``: on a device whose copy engines the sampler's token copy
+    #: shares (CUDA), so that copy is queued first (see ``WorkerCore.save_after_forward``).
+    defers_saves: bool
+
     def mark_forward(self, stream: Any) -> None:
         """Record the end of the forward pass (device→host copies wait for it)."""
         ...
@@ -131,6 +136,8 @@ def _chunks(bounds: Sequence[int]) -> list[tuple[int, int]]:
 class SyncCopyEngine:
     """CPU pool, no stream: the copies are done when the call returns."""
 
+    defers_saves = False
+
     def mark_forward(self, stream: Any) -> None:
         return None
 
@@ -158,6 +165,8 @@ class DeferredCopyEngine:
     One in-order stream serves loads, the forward pass and saves, so nothing needs an event
     to wait for: the forward pass is queued after the loads, saves after the forward pass.
     """
+
+    defers_saves = False
 
     def mark_forward(self, stream: Any) -> None:
         return None
@@ -204,6 +213,8 @@ class CudaCopyEngine:
     enqueuing the forward while the copy engine moves bytes. Saves run on another stream
     that waits for the forward-pass event.
     """
+
+    defers_saves = True
 
     def __init__(self, device: Any) -> None:
         torch = _torch()

@@ -15,15 +15,37 @@ import torch
 
 
 class DeviceTokens(Sequence[int]):
-    """Greedy tokens left in device memory; the first read waits for the device."""
+    """Greedy tokens left in device memory; the first read waits for the device.
+
+    :meth:`copy_to_host` is the sampler's copy: as TensorRT-LLM's ``TorchSampler.sample_async``
+    (``tensorrt_llm/_torch/pyexecutor/sampler.py`` @ 28edbcdb: ``_copy_to_host`` of the new
+    tokens, then ``_record_sampler_event``), it queues their copy to pinned host memory and
+    an event, which the first read then waits for. The engine calls it after
+    ``wait_for_save`` (``_forward_step`` then ``_sample_async``), so device-to-host copies a
+    connector queued there run before the tokens' own copy.
+    """
 
     def __init__(self, logits: torch.Tensor) -> None:
         self._device = logits.argmax(-1)  # NOTE: queued, not waited for
         self._host: list[int] | None = None
+        self._copy: torch.Tensor | None = None
+        self._event: torch.cuda.Event | None = None
+
+    def copy_to_host(self) -> None:
+        """Queue the tokens' copy to pinned host memory (CUDA; a no-op elsewhere or twice)."""
+        if self._device.is_cuda and self._copy is None:
+            self._copy = torch.empty(self._device.shape, dtype=self._device.dtype, pin_memory=True)
+            self._copy.copy_(self._device, non_blocking=True)
+            self._event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+            self._event.record()
 
     def _values(self) -> list[int]:
         if self._host is None:
-            self._host = [int(t) for t in self._device.tolist()]
+            if self._copy is not None and self._event is not None:
+                self._event.synchronize()
+                self._host = [int(t) for t in self._copy.tolist()]
+            else:
+                self._host = [int(t) for t in self._device.tolist()]
         return self._host
 
     def __len__(self) -> int:

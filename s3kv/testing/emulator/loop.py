@@ -42,6 +42,7 @@ from typing import Any, cast
 from s3kv.connector.device import DONE, StreamEvent
 from s3kv.testing.emulator.connector_manager import KvCacheConnectorManager
 from s3kv.testing.emulator.device import DeviceValue, LateDevice
+from s3kv.testing.emulator.kernels import DeviceTokens
 from s3kv.testing.emulator.kv_cache_manager import KVCacheManager
 from s3kv.testing.emulator.model import ForwardItem, PagedLlama
 from s3kv.testing.emulator.request import FinishReason, LlmRequest, LlmRequestState
@@ -219,6 +220,12 @@ class ExecutorLoop:
             self.forward_callable()  # NOTE: end of the model engine's forward, same stream
         if self.connector is not None:
             self.connector.worker.wait_for_save(self.stream())
+        if cuda:
+            # NOTE: _sample_async, after _forward_step's wait_for_save: the sampler queues
+            # the new tokens' copy to the host behind whatever the connector queued there.
+            tokens = sampled.get()
+            if isinstance(tokens, DeviceTokens):
+                tokens.copy_to_host()
         self.forward_passes += 1
         event: StreamEvent = DONE
         if cuda:

@@ -1,0 +1,131 @@
+"""When the worker queues a forward pass's device->host save copies, and what they hold back.
+
+On CUDA the copies are planned in ``wait_for_save`` and queued at the next ``get_finished``:
+TensorRT-LLM's sampler queues the new tokens' copy to the host between the two, and a copy
+engine serves copies in order, so the tokens must not wait behind a prompt's blocks. Until
+queued and completed, the blocks' requests stay "saving" (their blocks stay allocated).
+The engine here is a recording fake whose events the test completes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from s3kv.connector.completion import CompletionBoard
+from s3kv.connector.device import SavePair
+from s3kv.connector.metadata import ConnectorMetadata, SaveOp
+from s3kv.connector.worker import WorkerCore
+from s3kv.metrics import Metrics
+
+LAYERS, ELEMS = 2, 16
+
+
+@dataclass
+class Event:
+    done: bool = False
+
+    def query(self) -> bool:
+        return self.done
+
+    def synchronize(self) -> None:
+        self.done = True
+
+
+@dataclass
+class DeferringEngine:
+    """Copies when queued (so the bytes can be checked); its events complete on demand."""
+
+    defers_saves: bool = True
+    queued: list[int] = field(default_factory=list)  # blocks per queued save batch
+    events: list[Event] = field(default_factory=list)
+    fail: bool = False
+
+    def mark_forward(self, stream: Any) -> None:
+        return None
+
+    def save(self, pairs: list[SavePair], stream: Any) -> Event:
+        if self.fail:
+            raise RuntimeError("copy engine broken")
+        for target, source in pairs:
+            target.copy_(source)
+        self.queued.append(len(pairs))
+        self.events.append(Event())
+        return self.events[-1]
+
+
+@dataclass
+class Store:
+    """What a worker's saves need from a store."""
+
+    metrics: Metrics = field(default_factory=Metrics)
+    saved: dict[bytes, bytes] = field(default_factory=dict)
+
+    def save_arena(self, slot_bytes: int, budget_bytes: int) -> None:
+        return None
+
+    def save_many(self, blocks: list[tuple[Any, Any, Any, Callable[[], None]]], **_: Any) -> None:
+        for key, _parent, array, consumed in blocks:
+            self.saved[bytes(key)] = np.asarray(array).tobytes()
+            consumed()
+
+
+def worker() -> tuple[WorkerCore, DeferringEngine, Store, torch.Tensor]:
+    pool = torch.arange(8 * LAYERS * 2 * ELEMS, dtype=torch.float32).to(torch.bfloat16)
+    pool = pool.view(8, LAYERS, 2, ELEMS)
+    store = Store()
+    core = WorkerCore(0, store, pool, 1 << 20, board=CompletionBoard.private())  # type: ignore[arg-type]
+    engine = DeferringEngine()
+    core._engine = engine  # NOTE: the recording engine instead of the stream's
+    return core, engine, store, pool
+
+
+def saves(request_id: int, blocks: list[int]) -> ConnectorMetadata:
+    return ConnectorMetadata(
+        saves=tuple(
+            SaveOp(request_id=request_id, block_id=b, key=bytes([request_id, b]) * 8, parent=b"")
+            for b in blocks
+        )
+    )
+
+
+def test_copies_are_queued_at_get_finished_and_hold_their_request_until_done() -> None:
+    core, engine, store, pool = worker()
+    core.save_after_forward(saves(1, [2, 5]), stream=None)
+    assert engine.queued == []  # NOTE: wait_for_save only planned them
+    # NOTE: the request finished in this iteration (request_finished said it is saving).
+    assert core.finished([1]) == []
+    assert engine.queued == [2]
+    assert store.saved == {}
+    engine.events[0].done = True
+    assert core.finished([]) == [1]
+    assert store.saved[bytes([1, 2]) * 8] == pool[2].view(torch.uint8).numpy().tobytes()
+    assert store.saved[bytes([1, 5]) * 8] == pool[5].view(torch.uint8).numpy().tobytes()
+    assert core.finished([]) == []  # NOTE: returned exactly once
+
+
+def test_an_engine_that_skips_get_finished_gets_them_queued_at_the_next_wait_for_save() -> None:
+    core, engine, _, _ = worker()
+    core.save_after_forward(saves(1, [0]), stream=None)
+    core.save_after_forward(saves(2, [1, 3]), stream=None)
+    assert engine.queued == [1]  # NOTE: the first pass's, in order; the second's still planned
+    core.flush()  # NOTE: shutdown queues and waits for everything
+    assert engine.queued == [1, 2]
+    assert core.finished([1, 2]) == [1, 2]
+
+
+def test_a_copy_that_cannot_be_queued_loses_its_saves_but_never_its_request(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    core, engine, store, _ = worker()
+    core.save_after_forward(saves(1, [0, 1]), stream=None)
+    engine.fail = True
+    assert core.finished([1]) == [1]  # NOTE: nothing raised into get_finished, none held
+    assert store.saved == {}
+    assert store.metrics.value("connector_save_errors") == 2
+    assert any("dropping the saves of 2 block(s)" in r.getMessage() for r in caplog.records)
