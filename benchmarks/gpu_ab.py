@@ -414,7 +414,7 @@ def writer(rank: int, world: int, job: dict[str, Any]) -> dict[str, Any]:
     if job["profile"]:
         prefix, s1, s2 = job["prompts"]["profile"]
         for name, executor in (("cold-ref", ref), ("cold", conn)):
-            python_profiled(
+            profiled(
                 job, name, lambda e=executor: measured(e, prefix + s1, job["new_tokens"], None)
             )
             settle(executor)
@@ -521,27 +521,6 @@ def _default_group_bytes() -> int:
     from s3kv.connector import worker
 
     return int(getattr(worker, "LOAD_GROUP_MIN_BYTES", 1 << 20))
-
-
-def python_profiled(job: dict[str, Any], name: str, run: Any) -> None:
-    """Run ``run`` under cProfile (the engine's thread only); the top functions to stdout."""
-    import cProfile
-    import io
-    import pstats
-
-    python = cProfile.Profile()
-    python.enable()
-    result = run()
-    python.disable()
-    tag = f"{job['label'].replace('/', '_')}-{name}"
-    text = io.StringIO()
-    pstats.Stats(python, stream=text).sort_stats("tottime").print_stats(30)
-    print(f"=== python profile {tag}: ttft {result['ttft_ms']:.2f} ms, decode step "
-          f"{result['decode_ms']:.2f} ms, threads {result['thread_cpu_ms']}")  # fmt: skip
-    print(text.getvalue()[:7000])
-    folder = Path(job["profile"])
-    folder.mkdir(parents=True, exist_ok=True)
-    python.dump_stats(str(folder / f"python-{tag}.pstats"))
 
 
 def profiled(job: dict[str, Any], name: str, run: Any) -> None:

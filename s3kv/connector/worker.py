@@ -417,8 +417,9 @@ class WorkerCore:
         iteration), not here: TensorRT-LLM's sampler queues the new tokens' copy to the
         host after ``wait_for_save`` (``_forward_step``, then ``_sample_async``), and a
         device-to-host copy queued before it delays it by the whole of them: a token read
-        waited 4-5 ms behind a prompt's 254 MiB of block copies on an H100 (``.ab``). Until
-        then the blocks' requests count as saving, so their blocks stay allocated.
+        waited 4.1 ms behind a prompt's 254 1-MiB block copies on an H100
+        (``benchmarks/gpu_copy_order.py``). Until then the blocks' requests count as
+        saving, so their blocks stay allocated.
         """
         if self.relay is not None and metadata.relay:
             self.relay.attach(metadata.relay)  # idempotent; before any save reaches the store
@@ -473,8 +474,8 @@ class WorkerCore:
     def _copy_pairs(self, ops: Sequence[SaveOp], buffers: Sequence[Any]) -> list[SavePair]:
         """(host target, device source) per copy: a run of consecutive blocks going to
         consecutive slots is one copy. NOTE: on an H100, 254 1-MiB device-to-host copies took
-        9.7 ms where one copy of the same bytes took 5.0 ms, and every copy costs the host an
-        enqueue; a token readback queued behind them waits for them all (``.ab``/readback)."""
+        6.1-9.7 ms where one copy of the same bytes took 4.9-5.0 ms, and every copy costs the
+        host an enqueue (``benchmarks/gpu_copy_order.py``)."""
         slot = self._buffers.slot
         pairs: list[SavePair] = []
         start = 0
