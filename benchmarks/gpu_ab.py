@@ -325,20 +325,26 @@ class _GpuSpan:
 
 
 def thread_cpu_ms() -> dict[str, float]:
-    """CPU milliseconds (user + system) used so far by this process's threads, by name
-    (numbered siblings such as ``s3kv-io-3`` summed): who else ran on the engine's process."""
+    """CPU milliseconds used so far by this process's threads, by name (numbered siblings
+    such as ``s3kv-io-3`` summed): who else ran on the engine's process. From
+    ``/proc/.../schedstat`` (nanoseconds on a CPU), else ``stat``'s user + system ticks."""
     tick_ms = 1e3 / os.sysconf("SC_CLK_TCK")
     names = {t.native_id: t.name for t in threading.enumerate()}
     used: dict[str, float] = {}
     for tid in os.listdir("/proc/self/task"):
         try:
-            with open(f"/proc/self/task/{tid}/stat") as fh:
-                fields = fh.read().rpartition(")")[2].split()
-        except OSError:
-            continue
+            with open(f"/proc/self/task/{tid}/schedstat") as fh:
+                ms = int(fh.read().split()[0]) / 1e6
+        except (OSError, ValueError, IndexError):
+            try:
+                with open(f"/proc/self/task/{tid}/stat") as fh:
+                    fields = fh.read().rpartition(")")[2].split()
+            except OSError:
+                continue
+            ms = (int(fields[11]) + int(fields[12])) * tick_ms
         name = names.get(int(tid), "native")
         name = "engine" if name == "MainThread" else name.rstrip("0123456789").rstrip("-")
-        used[name] = used.get(name, 0.0) + (int(fields[11]) + int(fields[12])) * tick_ms
+        used[name] = used.get(name, 0.0) + ms
     return used
 
 

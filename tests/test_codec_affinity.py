@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from s3kv.config import S3KVConfig, parse_cpu_list
 from s3kv.errors import ConfigError
-from s3kv.offload import choose_cpus
+from s3kv.offload import affinity, choose_cpus
 from s3kv.offload.affinity import crowds_engine, format_cpus
 
 HOST = frozenset(range(16))
@@ -49,8 +51,8 @@ def test_cpus_this_host_lacks_are_a_bad_setting_in_one_line() -> None:
     with pytest.raises(ConfigError) as caught:
         choose_cpus("12-20", 2, engine=frozenset({0}), online=HOST)
     message = str(caught.value)
-    assert message.startswith("codec_cpus: CPUs 16-20 are not online")
-    assert "online: 0-15" in message
+    assert message.startswith("codec_cpus: CPUs 16-20 are not available to this process")
+    assert "available: 0-15" in message
     assert "\n" not in message
 
 
@@ -76,3 +78,10 @@ def test_cpu_lists_print_as_the_setting_takes_them(cpus: set[int], text: str) ->
     assert format_cpus(frozenset(cpus)) == text
     if text:
         assert parse_cpu_list(text) == frozenset(cpus)
+
+
+def test_the_cpus_a_process_may_be_given_lie_within_the_online_ones() -> None:
+    allowed = affinity.allowed_cpus()
+    assert allowed
+    assert allowed <= affinity.online_cpus()
+    assert frozenset(os.sched_getaffinity(0)) <= allowed

@@ -482,7 +482,7 @@ def test_codec_processes_leave_the_cpu_the_engine_is_pinned_to(
     assert writer.flush(timeout=20)
     assert writer.stats()["codec_processes_alive"] == 1
     (pid,) = writer._offload.pids  # type: ignore[union-attr]
-    others = affinity.format_cpus(affinity.online_cpus() - {0})
+    others = affinity.format_cpus(affinity.allowed_cpus() - {0})
     # NOTE: every thread, the codec workers included: they start after the pinning.
     assert thread_masks(pid) == {others}
     assert len(list(Path(f"/proc/{pid}/task").iterdir())) > 2
@@ -530,7 +530,7 @@ def test_a_cpu_list_pins_the_processes_and_a_refused_one_is_said_once(
 def test_a_cpu_list_this_host_lacks_stops_the_store_before_anything_starts(
     bucket: Path, open_stores: list[KVStore]
 ) -> None:
-    with pytest.raises(ConfigError, match=r"^codec_cpus: CPUs 4000 are not online"):
+    with pytest.raises(ConfigError, match=r"^codec_cpus: CPUs 4000 are not available"):
         open_store(file_config(bucket, codec_cpus="4000"), open_stores)
     assert not list(bucket.iterdir())  # NOTE: no manifest was opened, nothing written
 

@@ -10,10 +10,12 @@ mask only where it leaves room for them, and otherwise go to the CPUs outside it
 Values of the setting:
 
 * ``auto`` — the engine's mask when it holds at least ``processes + 2`` CPUs (the kernel
-  spreads everything); otherwise the online CPUs outside it, and where there are none, the
-  engine's mask with one WARNING that the codec will slow the engine.
+  spreads everything); otherwise the CPUs outside it that the process may use (its cgroup's
+  cpuset, else the online CPUs), and where there are none, the engine's mask with one
+  WARNING that the codec will slow the engine.
 * ``inherit`` — the engine's mask, whatever it is.
-* a CPU list such as ``8-15`` or ``4,5,12-15`` — exactly those CPUs (they must be online).
+* a CPU list such as ``8-15`` or ``4,5,12-15`` — exactly those CPUs (they must be available
+  to the process).
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ SETTING = "codec_cpus"
 #: its forward loop and its own helper threads.
 ENGINE_ROOM = 2
 _ONLINE = Path("/sys/devices/system/cpu/online")
+_CGROUP = Path("/sys/fs/cgroup")
 
 
 def format_cpus(cpus: frozenset[int]) -> str:
@@ -56,6 +59,20 @@ def online_cpus() -> frozenset[int]:
         return frozenset(range(os.cpu_count() or 1))
 
 
+def allowed_cpus() -> frozenset[int]:
+    """The CPUs this process may be given: its cgroup's cpuset (cgroup v2, as containers
+    and Kubernetes' CPU manager set it), else the host's online CPUs."""
+    online = online_cpus()
+    try:
+        lines = Path("/proc/self/cgroup").read_text().splitlines()
+        path = next(line.split(":", 2)[2] for line in lines if line.startswith("0::"))
+        text = (_CGROUP / path.strip().lstrip("/") / "cpuset.cpus.effective").read_text()
+        allowed = parse_cpu_list(text.strip()) & online
+    except (OSError, ValueError, StopIteration):
+        return online
+    return allowed or online
+
+
 @dataclass(frozen=True)
 class Placement:
     """Where the codec processes go: ``cpus`` (None: inherit the engine's mask) and why."""
@@ -74,13 +91,13 @@ def choose_cpus(
     """The placement ``setting`` gives ``processes`` codec processes beside the engine.
 
     ``engine`` is the engine process's CPU mask (default: this process's), ``online`` the
-    host's CPUs (default: sysfs). Pure apart from those two defaults.
+    CPUs it may be given (default: :func:`allowed_cpus`). Pure apart from those defaults.
 
     Raises:
-        ConfigError: ``codec_cpus`` names CPUs this host does not have online (one line).
+        ConfigError: ``codec_cpus`` names CPUs this process cannot be given (one line).
     """
     engine = frozenset(os.sched_getaffinity(0)) if engine is None else engine
-    online = online_cpus() if online is None else online
+    online = allowed_cpus() if online is None else online
     if setting == "inherit":
         return Placement(None, "inherit: the engine's CPUs")
     if setting != "auto":
@@ -91,8 +108,8 @@ def choose_cpus(
         missing = wanted - online
         if missing:
             raise ConfigError(
-                f"{SETTING}: CPUs {format_cpus(missing)} are not online on this host "
-                f"(online: {format_cpus(online)}); name CPUs from that list, or auto"
+                f"{SETTING}: CPUs {format_cpus(missing)} are not available to this process "
+                f"(available: {format_cpus(online)}); name CPUs from that list, or auto"
             )
         return Placement(wanted, f"CPUs {format_cpus(wanted)} as set")
     if len(engine) >= processes + ENGINE_ROOM:
@@ -147,6 +164,7 @@ __all__ = [
     "ENGINE_ROOM",
     "SETTING",
     "Placement",
+    "allowed_cpus",
     "apply",
     "choose_cpus",
     "crowds_engine",
