@@ -825,7 +825,15 @@ def report(
     emit(out, "gpu.decode_step_ms", median([w["conn"]["reuse"]["decode_ms"] for w, _ in pairs]),
          "ms", saving=False, note="device-reuse requests, nothing to save",
          without_connector_ms=median([w["ref"]["reuse"]["decode_ms"] for w, _ in pairs]),
-         s3kv_hit_ms=median([r["decode_ms"] for _, r in pairs]), **common)  # fmt: skip
+         s3kv_hit_ms=median([r["decode_ms"] for _, r in pairs]),
+         steps_ms=_by_position([w["conn"]["reuse"]["steps"] for w, _ in pairs], 0),
+         steps_without_connector_ms=_by_position([w["ref"]["reuse"]["steps"] for w, _ in pairs],
+                                                 0),
+         thread_cpu_ms=_medians([w["conn"]["reuse"].get("thread_cpu_ms", {}) for w, _ in pairs]),
+         thread_cpu_ms_without_connector=_medians([w["ref"]["reuse"].get("thread_cpu_ms", {})
+                                                   for w, _ in pairs]),
+         connector_ms=_medians([w["conn"]["reuse"]["connector_ms"] for w, _ in pairs]),
+         **common)  # fmt: skip
     emit(out, "gpu.attention_check", written.get("attention_check", {}).get("relative_error"),
          "relative_error", note="flash, lower-right causal bias vs math with the mask, bf16",
          **common)  # fmt: skip
