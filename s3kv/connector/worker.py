@@ -412,9 +412,9 @@ class WorkerCore:
     def save_after_forward(self, metadata: ConnectorMetadata, stream: Any = None) -> None:
         """Plan device→host copies of this iteration's full blocks; never waits on them.
 
-        On a CUDA device (:attr:`~s3kv.connector.device.CopyEngine.defers_saves`) the copies
-        are queued by the next :meth:`finished` (``get_finished``, later in the same
-        iteration), not here: TensorRT-LLM's sampler queues the new tokens' copy to the
+        On a CUDA device (:attr:`~s3kv.connector.device.CopyEngine.defers_saves`; the
+        emulator's late device too) the copies are queued by the next :meth:`finished`
+        (``get_finished``, later in the same iteration), not here: TensorRT-LLM's sampler queues the new tokens' copy to the
         host after ``wait_for_save`` (``_forward_step``, then ``_sample_async``), and a
         device-to-host copy queued before it delays it by the whole of them: a token read
         waited 4.1 ms behind a prompt's 254 1-MiB block copies on an H100
