@@ -414,12 +414,12 @@ class WorkerCore:
 
         On a CUDA device (:attr:`~s3kv.connector.device.CopyEngine.defers_saves`; the
         emulator's late device too) the copies are queued by the next :meth:`finished`
-        (``get_finished``, later in the same iteration), not here: TensorRT-LLM's sampler queues the new tokens' copy to the
-        host after ``wait_for_save`` (``_forward_step``, then ``_sample_async``), and a
-        device-to-host copy queued before it delays it by the whole of them: a token read
-        waited 4.1 ms behind a prompt's 254 1-MiB block copies on an H100
-        (``benchmarks/gpu_copy_order.py``). Until then the blocks' requests count as
-        saving, so their blocks stay allocated.
+        (``get_finished``, later in the same iteration), not here: TensorRT-LLM's sampler
+        queues the new tokens' copy to the host after ``wait_for_save`` (``_forward_step``,
+        then ``_sample_async``), and a device-to-host copy queued before it delays it by the
+        whole of them: a token read waited 4.1 ms behind a prompt's 254 1-MiB block copies
+        on an H100 (``benchmarks/gpu_copy_order.py``). Until then the blocks' requests count
+        as saving, so their blocks stay allocated.
         """
         if self.relay is not None and metadata.relay:
             self.relay.attach(metadata.relay)  # idempotent; before any save reaches the store
