@@ -22,19 +22,9 @@ from s3kv.connector.device import SavePair
 from s3kv.connector.metadata import ConnectorMetadata, SaveOp
 from s3kv.connector.worker import WorkerCore
 from s3kv.metrics import Metrics
+from tests.test_connector_layer_load import FakeEvent
 
 LAYERS, ELEMS = 2, 16
-
-
-@dataclass
-class Event:
-    done: bool = False
-
-    def query(self) -> bool:
-        return self.done
-
-    def synchronize(self) -> None:
-        self.done = True
 
 
 @dataclass
@@ -43,19 +33,19 @@ class DeferringEngine:
 
     defers_saves: bool = True
     queued: list[int] = field(default_factory=list)  # blocks per queued save batch
-    events: list[Event] = field(default_factory=list)
+    events: list[FakeEvent] = field(default_factory=list)
     fail: bool = False
 
     def mark_forward(self, stream: Any) -> None:
         return None
 
-    def save(self, pairs: list[SavePair], stream: Any) -> Event:
+    def save(self, pairs: list[SavePair], stream: Any) -> FakeEvent:
         if self.fail:
             raise RuntimeError("copy engine broken")
         for target, source in pairs:
             target.copy_(source)
         self.queued.append(len(pairs))
-        self.events.append(Event())
+        self.events.append(FakeEvent(f"save{len(self.events)}"))
         return self.events[-1]
 
 

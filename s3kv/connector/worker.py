@@ -416,7 +416,8 @@ class WorkerCore:
         emulator's late device too) the copies are queued by the next :meth:`finished`
         (``get_finished``, later in the same iteration), not here: TensorRT-LLM's sampler
         queues the new tokens' copy to the host after ``wait_for_save`` (``_forward_step``,
-        then ``_sample_async``), and a device-to-host copy queued before it delays it by the
+        then ``_sample_async``: ``py_executor.py`` @ 000439672005; ``TorchSampler.sample_async``
+        in ``sampler.py`` @ 28edbcdb), and a device-to-host copy queued before it delays it by the
         whole of them: a token read waited 4.1 ms behind a prompt's 254 1-MiB block copies
         on an H100 (``benchmarks/gpu_copy_order.py``). Until then the blocks' requests count
         as saving, so their blocks stay allocated.

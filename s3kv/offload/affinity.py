@@ -75,10 +75,12 @@ def allowed_cpus() -> frozenset[int]:
 
 @dataclass(frozen=True)
 class Placement:
-    """Where the codec processes go: ``cpus`` (None: inherit the engine's mask) and why."""
+    """Where the codec processes go: ``cpus`` (None: inherit ``engine``, the engine's mask)
+    and why."""
 
     cpus: frozenset[int] | None
     reason: str
+    engine: frozenset[int]
 
 
 def choose_cpus(
@@ -99,7 +101,7 @@ def choose_cpus(
     engine = frozenset(os.sched_getaffinity(0)) if engine is None else engine
     online = allowed_cpus() if online is None else online
     if setting == "inherit":
-        return Placement(None, "inherit: the engine's CPUs")
+        return Placement(None, "inherit: the engine's CPUs", engine)
     if setting != "auto":
         try:
             wanted = parse_cpu_list(setting)
@@ -111,21 +113,23 @@ def choose_cpus(
                 f"{SETTING}: CPUs {format_cpus(missing)} are not available to this process "
                 f"(available: {format_cpus(online)}); name CPUs from that list, or auto"
             )
-        return Placement(wanted, f"CPUs {format_cpus(wanted)} as set")
+        return Placement(wanted, f"CPUs {format_cpus(wanted)} as set", engine)
     if len(engine) >= processes + ENGINE_ROOM:
-        return Placement(None, f"auto: the engine's {len(engine)} CPUs leave room")
+        return Placement(None, f"auto: the engine's {len(engine)} CPUs leave room", engine)
     others = online - engine
     if others:
         return Placement(
             others,
             f"auto: the engine is pinned to CPUs {format_cpus(engine)}; the codec runs on "
             f"CPUs {format_cpus(others)} (set {SETTING} to choose)",
+            engine,
         )
-    return Placement(None, f"auto: no CPU outside the engine's {format_cpus(engine)}")
+    return Placement(None, f"auto: no CPU outside the engine's {format_cpus(engine)}", engine)
 
 
-def crowds_engine(placement: Placement, processes: int, engine: frozenset[int]) -> bool:
+def crowds_engine(placement: Placement, processes: int) -> bool:
     """Whether ``placement`` leaves the codec sharing too few CPUs with the engine."""
+    engine = placement.engine
     cpus = engine if placement.cpus is None else placement.cpus
     return len(cpus | engine) < processes + ENGINE_ROOM and bool(cpus & engine)
 
@@ -145,14 +149,13 @@ def apply(pid: int, cpus: frozenset[int]) -> str | None:
 
 def log_placement(placement: Placement, processes: int) -> None:
     """One line on where the codec processes run: a WARNING where they crowd the engine."""
-    engine = frozenset(os.sched_getaffinity(0))
-    if crowds_engine(placement, processes, engine):
+    if crowds_engine(placement, processes):
         logger.warning(
             "s3kv: %s: %d codec processes share CPUs %s with the engine (%s); they will slow "
             "its forward loop: give them other CPUs with %s, or lower codec_processes",
             SETTING,
             processes,
-            format_cpus(engine),
+            format_cpus(placement.engine),
             placement.reason,
             SETTING,
         )

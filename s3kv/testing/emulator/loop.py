@@ -221,8 +221,9 @@ class ExecutorLoop:
         if self.connector is not None:
             self.connector.worker.wait_for_save(self.stream())
         if cuda:
-            # NOTE: _sample_async, after _forward_step's wait_for_save: the sampler queues
-            # the new tokens' copy to the host behind whatever the connector queued there.
+            # NOTE: _sample_async, after _forward_step's wait_for_save (py_executor.py @
+            # 000439672005; TorchSampler.sample_async in sampler.py @ 28edbcdb queues the
+            # new tokens' copy to the host), so it lands behind what the connector queued.
             tokens = sampled.get()
             if isinstance(tokens, DeviceTokens):
                 tokens.copy_to_host()
