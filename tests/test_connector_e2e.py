@@ -57,7 +57,22 @@ def bucket(seaweedfs: LocalS3, monkeypatch: pytest.MonkeyPatch) -> str:
 
 
 def run(prompt: tuple[int, ...], **kwargs: object) -> InstanceReport:
+    if kwargs.get("connector") is False:
+        return reference_run(prompt, **kwargs)
     return run_instance(InstanceSpec(prompts=(prompt,), **kwargs))  # type: ignore[arg-type]
+
+
+_REFERENCES: dict[InstanceSpec, InstanceReport] = {}
+
+
+def reference_run(prompt: tuple[int, ...], **kwargs: object) -> InstanceReport:
+    """The plain engine's run (no connector) of ``prompt`` with these settings, once per
+    module: it reads no bucket and no ``TLLM_S3KV_*`` setting, so the same arguments give the
+    same run. NOTE: each run is a new process (~5 s here); eight tests ask for four runs."""
+    spec = InstanceSpec(prompts=(prompt,), **kwargs)  # type: ignore[arg-type]
+    if spec not in _REFERENCES:
+        _REFERENCES[spec] = run_instance(spec)
+    return _REFERENCES[spec]
 
 
 def assert_redeploy_hits(

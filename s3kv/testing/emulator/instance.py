@@ -111,7 +111,7 @@ def _model(spec: InstanceSpec, rank: int, world: int) -> tuple[PagedLlama, str]:
         return model, f"random-smollm2-seed{spec.random_weights_seed}"
     from s3kv.testing import smollm2
 
-    hf, _ = smollm2.load_model("float32")
+    hf = smollm2.load_weights("float32")
     model = PagedLlama.from_hf(
         hf, tp_rank=rank, tp_size=world, device=spec.device, dtype=torch.float32,
         kv_dtype=torch.bfloat16, tokens_per_block=TOKENS_PER_BLOCK,
