@@ -559,6 +559,7 @@ def profiled(job: dict[str, Any], name: str, run: Any) -> None:
     print(text.getvalue()[:6000])
     folder = Path(job["profile"])
     folder.mkdir(parents=True, exist_ok=True)
+    python.dump_stats(str(folder / f"python-{tag}.pstats"))
     raw = folder / f"trace-{tag}.json"
     trace.export_chrome_trace(str(raw))
     with raw.open("rb") as src, gzip.open(folder / f"trace-{tag}.json.gz", "wb") as dst:
@@ -672,7 +673,10 @@ def run_shape(label: str, shape: dict[str, Any], args: argparse.Namespace) -> di
         "codec_processes": args.codec_processes, "engine_cpus": args.engine_cpus,
         "codec_cpus": args.codec_cpus,
     }  # fmt: skip
-    with tempfile.TemporaryDirectory(prefix="s3kv-ab-bucket-") as bucket:
+    # NOTE: the bucket stands for a remote one, whose writes cost this host no disk I/O; in
+    # memory (tmpfs) neither do these. Two runs of each on an H100 host did not tell the two
+    # apart: the spread between trials is larger (benchmarks/results/gpu_2026-11-27*).
+    with tempfile.TemporaryDirectory(prefix="s3kv-ab-bucket-", dir=args.bucket_dir) as bucket:
         os.environ.update({
             "TLLM_S3KV_ENDPOINT_URL": f"file://{bucket}", "TLLM_S3KV_BUCKET": "s3kv-ab",
             "TLLM_S3KV_MODEL_REVISION": f"random-seed-{SEED}",
@@ -864,6 +868,11 @@ def main() -> int:
     )
     parser.add_argument("--codec-cpus", default="auto", help="the codec_cpus setting")
     parser.add_argument("--device", default="cuda")
+    parser.add_argument(
+        "--bucket-dir", default="/dev/shm" if os.path.isdir("/dev/shm") else None,
+        help="folder for the file:// bucket (default /dev/shm: in memory, as a remote bucket "
+        "costs this host no disk writeback)",
+    )
     parser.add_argument("--staging", default="6GiB")
     parser.add_argument("--load-groups", default="default",
                         help="comma-separated per-block layer-group sizes, reader trials "
