@@ -869,7 +869,8 @@ def main() -> int:
     parser.add_argument("--codec-cpus", default="auto", help="the codec_cpus setting")
     parser.add_argument("--device", default="cuda")
     parser.add_argument(
-        "--bucket-dir", default="/dev/shm" if os.path.isdir("/dev/shm") else None,
+        "--bucket-dir",
+        default="/dev/shm" if os.path.isdir("/dev/shm") else None,
         help="folder for the file:// bucket (default /dev/shm: in memory, as a remote bucket "
         "costs this host no disk writeback)",
     )

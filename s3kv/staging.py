@@ -184,6 +184,21 @@ class StagingCache:
             self._entries.move_to_end(key)
             return entry.buffer
 
+    def get_many(self, keys: Sequence[BlockHash]) -> list[HostBuffer | None]:
+        """:meth:`get` for each of ``keys``, under one lock acquisition (a claim's loads
+        look up hundreds of blocks on the engine's thread)."""
+        out: list[HostBuffer | None] = []
+        with self._lock:
+            entries, touch = self._entries, self._entries.move_to_end
+            for key in keys:
+                entry = entries.get(key)
+                if entry is None:
+                    out.append(None)
+                else:
+                    touch(key)
+                    out.append(entry.buffer)
+        return out
+
     # --- filling ---
 
     def allocate(self, nbytes: int) -> HostBuffer | None:

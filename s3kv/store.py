@@ -544,6 +544,10 @@ class KVStore:
         """The staged raw bytes of ``key`` (hold a pin while reading), or ``None``."""
         return self.staging.get(key)
 
+    def staged_many(self, keys: Sequence[BlockHash]) -> list[HostBuffer | None]:
+        """:meth:`staged` for each of ``keys`` (one staging lock for all of them)."""
+        return self.staging.get_many(keys)
+
     def record_hits(self, keys: Sequence[BlockHash]) -> None:
         """Note that ``keys`` served a request (usage for prune and warm start)."""
         if keys:

@@ -80,8 +80,8 @@ class FakeStore:
     def stage(self, key: bytes, fill: int) -> None:
         self.blocks[key] = np.full(self.block_nbytes, fill, dtype=np.uint8)
 
-    def staged(self, key: bytes) -> np.ndarray | None:
-        return self.blocks.get(key)
+    def staged_many(self, keys: list[bytes]) -> list[np.ndarray | None]:
+        return [self.blocks.get(key) for key in keys]
 
     def save_arena(self, slot_bytes: int, budget_bytes: int) -> None:
         return None  # NOTE: no codec processes: plain save buffers

@@ -257,15 +257,17 @@ class SchedulerCore:
         needed = state.claim_start + len(state.claimed)
         if len(state.block_ids) < needed:
             return  # blocks not known yet (the first report carries them)
-        shards = self.shards
-        ops = []
-        for i, key in enumerate(state.claimed):
-            block_id = state.block_ids[state.claim_start + i]
+        claimed = state.claimed
+        block_ids = state.block_ids[state.claim_start : needed]
+        for i, block_id in enumerate(block_ids):
             if block_id < 0:  # BAD_PAGE_INDEX: no page for an honoured block cannot happen
                 raise RuntimeError(f"claimed block {i} of request {state.request_id} has no page")
-            slots = shards.slots(key) if shards is not None else ()
-            ops.append(LoadOp(block_id, bytes(key), slots))
-        self._ready_loads.extend(ops)
+        shards = self.shards
+        slots = shards.slots_many(claimed) if shards is not None else [()] * len(claimed)
+        self._ready_loads.extend(
+            LoadOp(block_id, bytes(key), where)
+            for block_id, key, where in zip(block_ids, claimed, slots, strict=True)
+        )
         state.loads_planned = True
 
     def _plan_saves(self, state: _Request, valid_tokens: int) -> list[SaveOp]:

@@ -363,21 +363,24 @@ class ShardStores:
         self.record_hits(keys[:claim])
         return claim
 
-    def slots(self, key: BlockHash) -> tuple[int, ...]:
-        """Per rank, the arena slot holding ``key``'s shard (empty with one rank).
+    def slots_many(self, keys: Sequence[BlockHash]) -> list[tuple[int, ...]]:
+        """Per key, per rank, the arena slot holding its shard (empty tuples with one rank);
+        one staging lookup per shard for all of them.
 
         Raises:
-            RuntimeError: ``key`` is not staged on some shard (it must be pinned by a claim).
+            RuntimeError: A key is not staged on some shard (it must be pinned by a claim).
         """
         if not self._arenas:
-            return ()
-        out = []
+            return [() for _ in keys]
+        per_rank: list[list[int]] = []
         for rank, (store, arena) in enumerate(zip(self.stores, self._arenas, strict=True)):
-            buffer = store.staged(key)
-            if buffer is None:  # unreachable: claimed blocks are pinned on every shard
-                raise RuntimeError(f"claimed block {key.hex()} is not staged on rank {rank}")
-            out.append(arena.slot_of(buffer))
-        return tuple(out)
+            slots = []
+            for key, buffer in zip(keys, store.staged_many(keys), strict=True):
+                if buffer is None:  # unreachable: claimed blocks are pinned on every shard
+                    raise RuntimeError(f"claimed block {key.hex()} is not staged on rank {rank}")
+                slots.append(arena.slot_of(buffer))
+            per_rank.append(slots)
+        return list(zip(*per_rank, strict=True))
 
     def unpin(self, keys: Sequence[BlockHash]) -> None:
         """Release pins taken by :meth:`claim`."""

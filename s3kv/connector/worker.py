@@ -339,7 +339,7 @@ class WorkerCore:
         event: StreamEvent = NEVER  # NOTE: until the copies are known to be enqueued or done
         try:
             targets = [self._view(op.block_id) for op in metadata.loads]
-            sources = [self._load_source(op, arena) for op in metadata.loads]
+            sources = self._load_sources(metadata.loads, arena)
             events = engine.load(targets, sources, self._byte_bounds, stream)
             event = events[-1]
             load = _LoadInFlight(events, self._layer_bounds)
@@ -368,7 +368,7 @@ class WorkerCore:
         elif isinstance(stream, DeferredStream):
             stream.record_event().synchronize()
         targets = [self._view(op.block_id) for op in metadata.loads]
-        sources = [self._load_source(op, arena) for op in metadata.loads]
+        sources = self._load_sources(metadata.loads, arena)
         SyncCopyEngine().load(targets, sources, [0, self.block_nbytes], None)
 
     def poll_loads(self) -> None:
@@ -388,16 +388,21 @@ class WorkerCore:
         if self.board is None and metadata.board:
             self.board = CompletionBoard.attach(metadata.board)
 
-    def _load_source(self, op: LoadOp, arena: SlabArena | None) -> np.ndarray:
+    def _load_sources(self, ops: Sequence[LoadOp], arena: SlabArena | None) -> list[np.ndarray]:
+        """The host bytes each load copies: its arena slot (tensor parallel) or staged block."""
         if arena is not None:
-            return arena.view(op.slots[self.rank])
-        staged = self.store.staged(BlockHash(op.key))
-        if staged is None or staged.nbytes != self.block_nbytes:
+            return [arena.view(op.slots[self.rank]) for op in ops]
+        staged = self.store.staged_many([BlockHash(op.key) for op in ops])
+        sources = []
+        for op, buffer in zip(ops, staged, strict=True):
+            if buffer is not None and buffer.nbytes == self.block_nbytes:
+                sources.append(buffer)
+                continue
             # NOTE: unreachable by construction (the scheduler pinned it, the codec checked
             # its size); a claim cannot be withdrawn, so this is logged loudly.
             logger.error("s3kv: claimed block %s is not staged; output may be wrong", op.key.hex())
-            return np.zeros(self.block_nbytes, dtype=np.uint8)
-        return staged
+            sources.append(np.zeros(self.block_nbytes, dtype=np.uint8))
+        return sources
 
     def _arena(self, metadata: ConnectorMetadata) -> SlabArena:
         path, slot_bytes = metadata.arenas[self.rank]

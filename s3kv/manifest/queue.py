@@ -48,16 +48,25 @@ class RecordQueue:
         self._records.append(record)
 
     def add_hits(self, keys: Iterable[bytes], now: float) -> None:
-        """Count one hit at ``now`` for each of ``keys``."""
+        """Count one hit at ``now`` for each of ``keys``.
+
+        New keys go in at the end; the oldest records beyond the bound (hits first) are
+        dropped once, after the batch. NOTE: not before each insertion: a claim records
+        hundreds of hits on the engine's thread, and a check per key cost ~2 us each.
+        """
+        hits = self._hits
+        added = False
         for key in keys:
-            entry = self._hits.get(key)
+            entry = hits.get(key)
             if entry is None:
-                self._drop_beyond(self.bound - 1)
-                self._hits[bytes(key)] = [1.0, now]
-                self._oldest_hit = min(self._oldest_hit, now)
+                hits[bytes(key)] = [1.0, now]
+                added = True
             else:
                 entry[0] += 1
                 entry[1] = now
+        if added:
+            self._oldest_hit = min(self._oldest_hit, now)
+            self._drop_beyond(self.bound)
 
     def due(self, now: float, hit_interval: float) -> bool:
         """Whether a flush has something to write now.
