@@ -677,9 +677,13 @@ class KVStore:
 
     def _staged(self, key: BlockHash, buffer: HostBuffer, stored_len: int) -> None:
         self.staging.insert(key, buffer)
-        self.metrics.inc("prefetch_staged")
-        self.metrics.inc("stage_raw_bytes", buffer.nbytes)
-        self.metrics.inc("stage_stored_bytes", stored_len)
+        self.metrics.inc_many(
+            {
+                "prefetch_staged": 1,
+                "stage_raw_bytes": buffer.nbytes,
+                "stage_stored_bytes": stored_len,
+            }
+        )
 
     def _fetch_failed(
         self, key: BlockHash, object_key: str, exc: CodecError | StorageError
