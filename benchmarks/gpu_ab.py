@@ -772,7 +772,8 @@ def report(
              **tag)  # fmt: skip
         same = [r["reuse_after"] for _, r in chosen if "reuse_after" in r]
         if same:
-            paired = [r["ttft_ms"] - after["ttft_ms"] for (_, r), after in zip(chosen, same)]
+            paired = [r["ttft_ms"] - r["reuse_after"]["ttft_ms"] for _, r in chosen
+                      if "reuse_after" in r]  # fmt: skip
             emit(out, "gpu.load_overhead_paired_ms", median(paired), "ms",
                  target_ms=round(1.25 * floor + 2, 2), floor_ms=round(floor, 2),
                  per_trial=[round(d, 2) for d in paired],
