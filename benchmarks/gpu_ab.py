@@ -45,6 +45,7 @@ import gc
 import json
 import math
 import os
+import shutil
 import statistics
 import sys
 import tempfile
@@ -678,7 +679,7 @@ def run_shape(label: str, shape: dict[str, Any], args: argparse.Namespace) -> di
         "load_groups": [0 if v == "default" else _size(v) for v in args.load_groups.split(",")],
         "prompts": prompts(shape["vocab"], prefix_tokens, args.trials),
         "codec_processes": args.codec_processes, "engine_cpus": args.engine_cpus,
-        "codec_cpus": args.codec_cpus,
+        "codec_cpus": args.codec_cpus, "bucket_dir": args.bucket_dir or tempfile.gettempdir(),
     }  # fmt: skip
     # NOTE: the bucket stands for a remote one, whose writes cost this host no disk I/O; in
     # memory (tmpfs) neither do these. Two runs of each on an H100 host did not tell the two
@@ -697,6 +698,14 @@ def run_shape(label: str, shape: dict[str, Any], args: argparse.Namespace) -> di
         read = run_tensor_parallel(1, reader, job, timeout=1800.0)[0]
         wall = time.perf_counter() - started
     return {"job": job, "writer": written, "reader": read, "wall_s": wall}
+
+
+def _memory_dir() -> str | None:
+    """``/dev/shm`` when it can hold a run's bucket (a container's may be 64 MB), else None."""
+    try:
+        return "/dev/shm" if shutil.disk_usage("/dev/shm").free >= 16 << 30 else None
+    except OSError:
+        return None
 
 
 def _size(text: str) -> int:
@@ -744,6 +753,7 @@ def report(
         "prompt_tokens": job["prefix_tokens"] + SUFFIX, "prefix_tokens": job["prefix_tokens"],
         "codec_processes": job.get("codec_processes", 0),
         "engine_cpus": job.get("engine_cpus", ""), "codec_cpus": job.get("codec_cpus", "auto"),
+        "bucket_dir": job.get("bucket_dir", ""),
     }  # fmt: skip
     loaded = [r["connector_tokens"] // TPB for r in read["trials"]]
     load_bytes = statistics.median(loaded) * block_nbytes
@@ -888,9 +898,9 @@ def main() -> int:
     parser.add_argument("--device", default="cuda")
     parser.add_argument(
         "--bucket-dir",
-        default="/dev/shm" if os.path.isdir("/dev/shm") else None,
-        help="folder for the file:// bucket (default /dev/shm: in memory, as a remote bucket "
-        "costs this host no disk writeback)",
+        default=_memory_dir(),
+        help="folder for the file:// bucket (default /dev/shm when it has 16 GiB free: in "
+        "memory, as a remote bucket costs this host no disk writes; else the temp folder)",
     )
     parser.add_argument("--staging", default="6GiB")
     parser.add_argument("--load-groups", default="default",

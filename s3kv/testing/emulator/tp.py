@@ -1,7 +1,6 @@
 """Run a function on several tensor-parallel ranks, one new process each.
 
-:func:`spawn_ranks` starts ``world_size`` processes from a fork server (see
-:func:`_rank_context`), joins
+:func:`spawn_ranks` starts ``world_size`` new processes (see :func:`_rank_context`), joins
 them into a ``torch.distributed`` default group (gloo on loopback by default) and returns
 what ``fn`` returned on each rank. A rank that raises, dies, or outlives the timeout fails
 the whole call, and the other ranks are terminated: a rank left waiting in a collective for
@@ -15,11 +14,12 @@ import datetime
 import os
 import pickle
 import socket
+import sys
 import time
 import traceback
 from collections.abc import Callable
 from multiprocessing.connection import Connection, wait
-from typing import Any, TypeVar
+from typing import Any, NamedTuple, TypeVar
 
 import torch.multiprocessing as mp
 from torch import distributed as dist
@@ -79,11 +79,11 @@ def spawn_ranks(
         raise ValueError(f"world_size: must be >= 1, got {world_size}")
     if threads_per_rank is None:
         threads_per_rank = max(1, (os.cpu_count() or 1) // world_size)
-    ctx = _rank_context()
+    ctx = _rank_context(world_size, backend)
     port = free_port()
-    # NOTE: a fork server's children inherit *its* environment and directory, taken when it
-    # started; each rank gets the caller's, as a spawned process would.
-    setting = (dict(os.environ), os.getcwd())
+    # NOTE: a fork server's children inherit *its* environment, directory, import path and
+    # CPUs, taken when it started; each rank gets the caller's, as a spawned process would.
+    setting = _Setting(dict(os.environ), os.getcwd(), list(sys.path), _cpus())
     # NOTE: one pipe per rank rather than a shared queue: the parent can then block on
     # "a result or a process exit" with connection.wait, without polling.
     pipes = [ctx.Pipe(duplex=False) for _ in range(world_size)]
@@ -111,10 +111,14 @@ def spawn_ranks(
         proc.start()
     for _, send in pipes:
         send.close()  # NOTE: only the child holds the write end, so its exit reads as EOF
+    grace = 0.0
     try:
-        return _collect([recv for recv, _ in pipes], procs, timeout)
+        results = _collect([recv for recv, _ in pipes], procs, timeout)
+        grace = _EXIT_GRACE_S  # NOTE: every rank answered: let them run their exit handlers
+        return results
     finally:
         for proc in procs:
+            proc.join(grace)
             if proc.is_alive():
                 proc.terminate()
             proc.join()
@@ -126,15 +130,42 @@ def spawn_ranks(
 #: ~3 s (two cores) that importing torch and the emulator takes in every spawned process.
 _PRELOAD = ("torch", "torch.distributed", "s3kv.testing.emulator.instance")
 
+#: Seconds ranks that have answered get to finish their exit handlers before being stopped.
+_EXIT_GRACE_S = 30.0
 
-def _rank_context() -> Any:
-    """The ``forkserver`` start method with the heavy imports done once in the server.
 
-    A rank is still a new process that shares no state with its caller: the server is a
-    fresh interpreter that has only imported modules (no CUDA context, no threads, no
-    connector state) when it forks the rank. NOTE: not ``fork`` from the caller, which may
-    hold threads, locks, a CUDA context or a test's state.
+class _Setting(NamedTuple):
+    """What a rank takes from its caller before anything else (see :func:`_rank_context`)."""
+
+    environ: dict[str, str]
+    cwd: str
+    path: list[str]
+    cpus: set[int] | None
+
+
+def _cpus() -> set[int] | None:
+    getter = getattr(os, "sched_getaffinity", None)
+    return set(getter(0)) if getter is not None else None
+
+
+def _rank_context(world_size: int, backend: str) -> Any:
+    """How ranks start: a fork server for one CPU rank, ``spawn`` otherwise.
+
+    One rank (an engine instance, most end-to-end runs) starts from a ``forkserver`` whose
+    heavy imports are done once. It is still a new process that shares no state with its
+    caller: the server is a fresh interpreter that has only imported modules (no CUDA context,
+    no connector state) when it forks the rank; the rank then takes the caller's environment,
+    directory, import path and CPUs (:class:`_Setting`; resource limits, umask and standard
+    streams stay the server's). NOTE: not ``fork`` from the caller, which may hold threads,
+    locks, a CUDA context or a test's state.
+
+    Several ranks are spawned, each its own interpreter, as TensorRT-LLM's MPI ranks are:
+    forked ranks would share the server's string-hash seed, so a rank-dependent iteration
+    order (sets of keys before a collective) could never show in a test. CUDA ranks (nccl)
+    are spawned too, so that no import in a server can ever hold a CUDA context they inherit.
     """
+    if world_size > 1 or backend != "gloo":
+        return mp.get_context("spawn")
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(list(_PRELOAD))
     return ctx
@@ -191,13 +222,10 @@ def _rank_main(
     fn: Callable[..., Any],
     args: tuple[Any, ...],
     conn: Connection,
-    setting: tuple[dict[str, str], str],
+    setting: _Setting,
 ) -> None:
-    environ, cwd = setting
     try:
-        os.environ.clear()
-        os.environ.update(environ)
-        os.chdir(cwd)
+        _take(setting)
         import torch
 
         torch.set_num_threads(threads)
@@ -217,13 +245,27 @@ def _rank_main(
         # the parent as a failure rather than as a silent exit. The report goes out before
         # the group is torn down, so its timestamp precedes the peers' consequent failures.
         payload = pickle.dumps(("error", time.time(), traceback.format_exc()))
-    conn.send_bytes(payload)
-    conn.close()
-    if dist.is_initialized():
-        dist.destroy_process_group()
-    # NOTE: a fork server's child leaves through os._exit; run the exit handlers (the
-    # connector drains its saves and flushes its manifest there) as a spawned rank's exit does.
-    atexit._run_exitfuncs()
+    try:
+        conn.send_bytes(payload)
+        conn.close()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    finally:
+        # NOTE: a fork server's child leaves through os._exit; run the exit handlers (the
+        # connector drains its saves and flushes its manifest there) as an exiting
+        # interpreter does. They run once: the list is empty afterwards.
+        atexit._run_exitfuncs()
+
+
+def _take(setting: _Setting) -> None:
+    """The caller's environment, directory, import path and CPUs, in this rank."""
+    os.environ.clear()
+    os.environ.update(setting.environ)
+    os.chdir(setting.cwd)
+    sys.path[:] = setting.path
+    setter = getattr(os, "sched_setaffinity", None)
+    if setting.cpus is not None and setter is not None:
+        setter(0, setting.cpus)
 
 
 __all__ = ["RankError", "free_port", "spawn_ranks"]
