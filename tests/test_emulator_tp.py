@@ -1,9 +1,14 @@
 """spawn_ranks: results in rank order over a real gloo group; failures carry the traceback.
 
-The rank functions live at module level: ``spawn`` pickles them by reference.
+The rank functions live at module level: they are pickled by reference. A single rank starts
+from a fork server and must still see what its caller set; several ranks are separate
+interpreters.
 """
 
 from __future__ import annotations
+
+import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -36,3 +41,57 @@ def test_results_come_back_in_rank_order_after_an_all_reduce() -> None:
 def test_a_failing_rank_raises_with_its_traceback() -> None:
     with pytest.raises(RankError, match=r"rank 1 failed:(.|\n)*ArithmeticError: rank one"):
         spawn_ranks(_fail_on_rank_one, 2, timeout=60)
+
+
+def _what_the_rank_sees(rank: int, world_size: int, marker: str) -> dict[str, object]:
+    import atexit
+    import os
+    import sys
+    from pathlib import Path
+
+    # An exit handler, as the connector's (drain saves, flush the manifest) is registered.
+    atexit.register(lambda: Path(marker).write_text(str(os.getpid())))
+    return {
+        "env": os.environ.get("S3KV_TP_PROBE"),
+        "cwd": os.getcwd(),
+        "path": sys.path[0],
+        "cpus": sorted(os.sched_getaffinity(0)),
+        "pid": os.getpid(),
+        "hash": hash("s3kv"),
+    }
+
+
+def test_a_single_rank_takes_the_callers_settings_and_runs_its_exit_handlers(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # One rank starts from a fork server that was started earlier, elsewhere: what the
+    # caller set since must still reach it, as it would reach a spawned process.
+    spawn_ranks(_what_the_rank_sees, 1, str(tmp_path / "warm-up"), timeout=120)
+    before = os.sched_getaffinity(0)
+    monkeypatch.setenv("S3KV_TP_PROBE", "set-after-the-server-started")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path / "on-the-path"))
+    cpus = {min(before)}
+    os.sched_setaffinity(0, cpus)
+    try:
+        marker = tmp_path / "exit-handler-ran"
+        (seen,) = spawn_ranks(_what_the_rank_sees, 1, str(marker), timeout=120)
+    finally:
+        os.sched_setaffinity(0, before)
+    assert seen["env"] == "set-after-the-server-started"
+    assert seen["cwd"] == str(tmp_path)
+    assert seen["path"] == str(tmp_path / "on-the-path")
+    assert seen["cpus"] == sorted(cpus)
+    assert seen["pid"] != os.getpid()
+    assert marker.read_text() == str(seen["pid"]), "the rank's exit handlers ran"
+
+
+@pytest.mark.skipif(bool(os.environ.get("PYTHONHASHSEED")), reason="PYTHONHASHSEED fixes the seed")
+def test_several_ranks_are_separate_interpreters_with_their_own_hash_seed(tmp_path: Path) -> None:
+    # As MPI ranks: an iteration order over a set of strings may differ between ranks, and a
+    # test must be able to see a rank-dependent order.
+    seeds = set()
+    for attempt in range(3):
+        ranks = spawn_ranks(_what_the_rank_sees, 2, str(tmp_path / f"m{attempt}"), timeout=120)
+        seeds.update(seen["hash"] for seen in ranks)
+    assert len(seeds) > 1
