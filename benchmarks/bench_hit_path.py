@@ -30,6 +30,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from bench_scheduler import BindingRequest
 
 from s3kv.config import S3KVConfig
 from s3kv.connector import device
@@ -53,21 +54,6 @@ PHASES = ("request_view", "claim", "alloc", "meta", "start_load")
 def emit(metric: str, value: float, unit: str, **extra: Any) -> None:
     print(json.dumps({"metric": metric, "value": round(value, 3), "unit": unit, **extra}))
     sys.stdout.flush()
-
-
-class Request:
-    """What ``request_view`` reads of TensorRT-LLM's request binding."""
-
-    def __init__(self, request_id: int, tokens: list[int]) -> None:
-        self.request_id = request_id
-        self.prompt_len = len(tokens)
-        self.lora_task_id = None
-        self.cache_salt_id = None
-        self.multimodal_hashes = None
-        self._tokens = tokens
-
-    def get_tokens(self, beam: int) -> list[int]:
-        return list(self._tokens)
 
 
 class RecordingEngine:
@@ -130,7 +116,7 @@ class Case:
         self.worker.board = board
         self.request_id += 1
         rid = self.request_id
-        request = Request(rid, tokens)
+        request = BindingRequest(tokens, rid)
         block_ids = [*range(1, self.blocks + 1), 0]
         gc.collect()
         t0 = time.perf_counter()

@@ -234,8 +234,8 @@ def run_case(n_tokens: int, tpb: int, maybe: str, samples: int, rng: np.random.G
 class BindingRequest:
     """What ``request_view`` reads of TensorRT-LLM's request binding (tokens as a list)."""
 
-    def __init__(self, tokens: list[int]) -> None:
-        self.request_id = 1
+    def __init__(self, tokens: list[int], request_id: int = 1) -> None:
+        self.request_id = request_id
         self.prompt_len = len(tokens)
         self._tokens = tokens
 

@@ -177,12 +177,7 @@ class StagingCache:
 
         The caller must hold a pin while it reads the buffer.
         """
-        with self._lock:
-            entry = self._entries.get(key)
-            if entry is None:
-                return None
-            self._entries.move_to_end(key)
-            return entry.buffer
+        return self.get_many((key,))[0]
 
     def get_many(self, keys: Sequence[BlockHash]) -> list[HostBuffer | None]:
         """:meth:`get` for each of ``keys``, under one lock acquisition (a claim's loads

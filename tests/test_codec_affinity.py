@@ -15,14 +15,14 @@ HOST = frozenset(range(16))
 
 
 def test_auto_keeps_a_wide_engine_mask() -> None:
-    placement = choose_cpus("auto", 4, engine=frozenset(range(8)), online=HOST)
+    placement = choose_cpus("auto", 4, engine=frozenset(range(8)), available=HOST)
     assert placement.cpus is None
     assert not crowds_engine(placement, 4)
 
 
 def test_auto_moves_the_codec_off_an_engine_pinned_to_few_cpus() -> None:
     engine = frozenset({2, 3})
-    placement = choose_cpus("auto", 4, engine=engine, online=HOST)
+    placement = choose_cpus("auto", 4, engine=engine, available=HOST)
     assert placement.cpus == HOST - engine
     assert "pinned to CPUs 2-3" in placement.reason
     assert not crowds_engine(placement, 4)
@@ -30,26 +30,26 @@ def test_auto_moves_the_codec_off_an_engine_pinned_to_few_cpus() -> None:
 
 def test_auto_on_a_host_with_no_other_cpu_inherits_and_is_flagged() -> None:
     engine = frozenset({0, 1})
-    placement = choose_cpus("auto", 4, engine=engine, online=engine)
+    placement = choose_cpus("auto", 4, engine=engine, available=engine)
     assert placement.cpus is None
     assert crowds_engine(placement, 4)
 
 
 def test_inherit_keeps_the_mask_even_when_it_crowds_the_engine() -> None:
     engine = frozenset({5})
-    placement = choose_cpus("inherit", 2, engine=engine, online=HOST)
+    placement = choose_cpus("inherit", 2, engine=engine, available=HOST)
     assert placement.cpus is None
     assert crowds_engine(placement, 2)
 
 
 def test_an_explicit_list_is_taken_as_is() -> None:
-    placement = choose_cpus("8-11, 14", 4, engine=frozenset({0}), online=HOST)
+    placement = choose_cpus("8-11, 14", 4, engine=frozenset({0}), available=HOST)
     assert placement.cpus == frozenset({8, 9, 10, 11, 14})
 
 
 def test_cpus_this_host_lacks_are_a_bad_setting_in_one_line() -> None:
     with pytest.raises(ConfigError) as caught:
-        choose_cpus("12-20", 2, engine=frozenset({0}), online=HOST)
+        choose_cpus("12-20", 2, engine=frozenset({0}), available=HOST)
     message = str(caught.value)
     assert message.startswith("codec_cpus: CPUs 16-20 are not available to this process")
     assert "available: 0-15" in message

@@ -88,18 +88,18 @@ def choose_cpus(
     processes: int,
     *,
     engine: frozenset[int] | None = None,
-    online: frozenset[int] | None = None,
+    available: frozenset[int] | None = None,
 ) -> Placement:
     """The placement ``setting`` gives ``processes`` codec processes beside the engine.
 
-    ``engine`` is the engine process's CPU mask (default: this process's), ``online`` the
+    ``engine`` is the engine process's CPU mask (default: this process's), ``available`` the
     CPUs it may be given (default: :func:`allowed_cpus`). Pure apart from those defaults.
 
     Raises:
         ConfigError: ``codec_cpus`` names CPUs this process cannot be given (one line).
     """
     engine = frozenset(os.sched_getaffinity(0)) if engine is None else engine
-    online = allowed_cpus() if online is None else online
+    available = allowed_cpus() if available is None else available
     if setting == "inherit":
         return Placement(None, "inherit: the engine's CPUs", engine)
     if setting != "auto":
@@ -107,16 +107,16 @@ def choose_cpus(
             wanted = parse_cpu_list(setting)
         except ValueError as exc:
             raise ConfigError(f"{SETTING}: {exc}") from None
-        missing = wanted - online
+        missing = wanted - available
         if missing:
             raise ConfigError(
                 f"{SETTING}: CPUs {format_cpus(missing)} are not available to this process "
-                f"(available: {format_cpus(online)}); name CPUs from that list, or auto"
+                f"(available: {format_cpus(available)}); name CPUs from that list, or auto"
             )
         return Placement(wanted, f"CPUs {format_cpus(wanted)} as set", engine)
     if len(engine) >= processes + ENGINE_ROOM:
         return Placement(None, f"auto: the engine's {len(engine)} CPUs leave room", engine)
-    others = online - engine
+    others = available - engine
     if others:
         return Placement(
             others,

@@ -148,8 +148,7 @@ def load_weights(dtype: str = "float32") -> Any:
     # a shared tensor; this checkpoint keeps ``lm_head.weight``).
     names = ("model.embed_tokens.weight", "lm_head.weight")
     if fields.get("tie_word_embeddings"):
-        (stored,) = [n for n in names if n in tensors][:1] or [names[0]]
-        embed = head = weight(stored)
+        embed = head = weight(next((n for n in names if n in tensors), names[0]))
     else:
         embed, head = weight(names[0]), weight(names[1])
     return SimpleNamespace(

@@ -14,7 +14,6 @@ import datetime
 import os
 import pickle
 import socket
-import sys
 import time
 import traceback
 from collections.abc import Callable
@@ -81,9 +80,10 @@ def spawn_ranks(
         threads_per_rank = max(1, (os.cpu_count() or 1) // world_size)
     ctx = _rank_context(world_size, backend)
     port = free_port()
-    # NOTE: a fork server's children inherit *its* environment, directory, import path and
-    # CPUs, taken when it started; each rank gets the caller's, as a spawned process would.
-    setting = _Setting(dict(os.environ), os.getcwd(), list(sys.path), _cpus())
+    # NOTE: a fork server's children inherit *its* environment and CPUs, taken when it
+    # started; each rank gets the caller's, as a spawned process would. (Its directory and
+    # import path multiprocessing already sends with every process it starts.)
+    setting = _Setting(dict(os.environ), _cpus())
     # NOTE: one pipe per rank rather than a shared queue: the parent can then block on
     # "a result or a process exit" with connection.wait, without polling.
     pipes = [ctx.Pipe(duplex=False) for _ in range(world_size)]
@@ -138,8 +138,6 @@ class _Setting(NamedTuple):
     """What a rank takes from its caller before anything else (see :func:`_rank_context`)."""
 
     environ: dict[str, str]
-    cwd: str
-    path: list[str]
     cpus: set[int] | None
 
 
@@ -154,10 +152,10 @@ def _rank_context(world_size: int, backend: str) -> Any:
     One rank (an engine instance, most end-to-end runs) starts from a ``forkserver`` whose
     heavy imports are done once. It is still a new process that shares no state with its
     caller: the server is a fresh interpreter that has only imported modules (no CUDA context,
-    no connector state) when it forks the rank; the rank then takes the caller's environment,
-    directory, import path and CPUs (:class:`_Setting`; resource limits, umask and standard
-    streams stay the server's). NOTE: not ``fork`` from the caller, which may hold threads,
-    locks, a CUDA context or a test's state.
+    no connector state) when it forks the rank; the rank then takes the caller's environment
+    and CPUs (:class:`_Setting`; multiprocessing sends the directory and import path; resource
+    limits, umask and standard streams stay the server's). NOTE: not ``fork`` from the
+    caller, which may hold threads, locks, a CUDA context or a test's state.
 
     Several ranks are spawned, each its own interpreter, as TensorRT-LLM's MPI ranks are:
     forked ranks would share the server's string-hash seed, so a rank-dependent iteration
@@ -258,11 +256,9 @@ def _rank_main(
 
 
 def _take(setting: _Setting) -> None:
-    """The caller's environment, directory, import path and CPUs, in this rank."""
+    """The caller's environment and CPUs, in this rank."""
     os.environ.clear()
     os.environ.update(setting.environ)
-    os.chdir(setting.cwd)
-    sys.path[:] = setting.path
     setter = getattr(os, "sched_setaffinity", None)
     if setting.cpus is not None and setter is not None:
         setter(0, setting.cpus)
