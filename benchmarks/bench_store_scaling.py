@@ -25,7 +25,8 @@ interpreter pays; with processes the codec's CPU is elsewhere) and ``cpu_per_wal
 Data: synthetic bf16 KV (normal values, the exponent-plane entropy of real KV) in blocks
 shaped like a Llama-3-8B 8-layer slice's at 32 tokens (1 MiB).
 
-Usage: ``python benchmarks/bench_store_scaling.py [--quick] [--workers 1,2,4,8,16]``.
+Usage: ``python benchmarks/bench_store_scaling.py [--quick] [--workers 1,2,4,8,16]
+[--modes threads,processes] [--cases stage,save]``.
 """
 
 from __future__ import annotations
@@ -180,6 +181,8 @@ def main() -> int:
     parser.add_argument("--quick", action="store_true", help="fewer blocks, N up to 2")
     parser.add_argument("--workers", default="1,2,4,8,16")
     parser.add_argument("--blocks", type=int, default=256)
+    parser.add_argument("--modes", default="threads,processes", help="which of the two")
+    parser.add_argument("--cases", default="stage,save", help="which of the two")
     args = parser.parse_args()
     cores = os.cpu_count() or 1
     counts = [n for n in (int(x) for x in args.workers.split(",")) if n <= cores]
@@ -196,8 +199,8 @@ def main() -> int:
         source.mkdir()
         save(source, "processes", min(4, cores), data + data[:WARMUP], salt=1)
         keys = block_keys(blocks + WARMUP, salt=1)
-        for case in ("stage", "save"):
-            for mode in ("threads", "processes"):
+        for case in args.cases.split(","):
+            for mode in args.modes.split(","):
                 base = 0.0
                 for n in counts:
                     if case == "stage":

@@ -160,7 +160,8 @@ class SlabArena:
 
     def slot_of(self, buffer: HostBuffer) -> int:
         """The slot index of a view returned by :meth:`allocate`/:meth:`view`."""
-        offset = buffer.ctypes.data - self._array.ctypes.data
+        # NOTE: the array interface, not ``ctypes``: the store asks this per block fetched.
+        offset = int(buffer.__array_interface__["data"][0]) - self._base
         if offset % self.slot_bytes or not 0 <= offset < self.slot_bytes * self.slots:
             raise ValueError("buffer is not a slot of this arena")
         return offset // self.slot_bytes

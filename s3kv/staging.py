@@ -13,6 +13,7 @@ one model all have the same size).
 
 from __future__ import annotations
 
+import enum
 import logging
 import threading
 from collections import OrderedDict
@@ -83,6 +84,15 @@ def default_allocator() -> HostAllocator:
     if torch is not None and torch.cuda.is_available():
         return TorchPinnedAllocator()
     return NumpyAllocator()
+
+
+class _Fresh(enum.Enum):
+    """Room was made for a buffer the allocator must still make."""
+
+    FRESH = enum.auto()
+
+
+_FRESH = _Fresh.FRESH
 
 
 @dataclass
@@ -202,49 +212,58 @@ class StagingCache:
         Makes room by dropping recycled buffers, then evicting least-recently-used unpinned
         entries. The buffer must end in :meth:`insert` or :meth:`release`.
         """
+        buffers = self.allocate_many(nbytes, 1)
+        return buffers[0] if buffers else None
+
+    def allocate_many(self, nbytes: int, count: int) -> list[HostBuffer]:
+        """:meth:`allocate` of ``count`` buffers under one lock: as many as there is room
+        for (possibly none). Each must end in :meth:`insert` or :meth:`release`."""
+        reused: list[HostBuffer] = []
+        fresh = 0
         with self._lock:
-            pool = self._free.get(nbytes)
-            if pool:
-                return pool.pop()
-            if nbytes > self.budget_bytes:
-                return None
-            while self._used + nbytes > self.budget_bytes:
-                if self._drop_one_free_buffer():
-                    continue
-                victim = self._evict_one()
-                if victim is None:
-                    return None
-                if victim.nbytes == nbytes:
-                    # NOTE: the evicted buffer is reused as is: freeing it and allocating
-                    # a fresh one costs page faults (pinned: a cudaHostAlloc) per block, and
-                    # concurrent page faults serialize the I/O threads on the mmap lock.
-                    self._update_gauges()
-                    return victim
-                self._used -= victim.nbytes
-                self._allocator.free(victim)
-            self._used += nbytes
+            for _ in range(count):
+                got = self._reserve(nbytes)
+                if got is None:
+                    break
+                if got is _FRESH:
+                    fresh += 1
+                else:
+                    reused.append(got)
             self._update_gauges()
-        try:
-            return self._allocator.allocate(nbytes)
-        except (RuntimeError, MemoryError) as exc:
-            logger.warning("s3kv: host allocation of %d bytes failed: %s", nbytes, exc)
-            with self._lock:
-                self._used -= nbytes
-            return None
+        for made in range(fresh):
+            try:
+                reused.append(self._allocator.allocate(nbytes))
+            except (RuntimeError, MemoryError) as exc:
+                logger.warning("s3kv: host allocation of %d bytes failed: %s", nbytes, exc)
+                with self._lock:
+                    self._used -= (fresh - made) * nbytes
+                    self._update_gauges()
+                break
+        return reused
 
     def insert(self, key: BlockHash, buffer: HostBuffer) -> None:
         """Publish a filled, verified buffer as the staged bytes of ``key``."""
+        self.insert_many([(key, buffer)])
+
+    def insert_many(self, filled: Sequence[tuple[BlockHash, HostBuffer]]) -> None:
+        """:meth:`insert` of each ``(key, buffer)`` under one lock."""
         with self._lock:
-            if key in self._entries:
-                self._recycle(buffer)
-                return
-            self._entries[key] = _Entry(buffer)
+            for key, buffer in filled:
+                if key in self._entries:
+                    self._recycle(buffer)
+                else:
+                    self._entries[key] = _Entry(buffer)
             self._update_gauges()
 
     def release(self, buffer: HostBuffer) -> None:
         """Give back a reserved buffer that will not be inserted (failed fetch or decode)."""
+        self.release_many([buffer])
+
+    def release_many(self, buffers: Sequence[HostBuffer]) -> None:
+        """:meth:`release` of each of ``buffers`` under one lock."""
         with self._lock:
-            self._recycle(buffer)
+            for buffer in buffers:
+                self._recycle(buffer)
 
     def remove(self, key: BlockHash) -> bool:
         """Drop ``key`` unless pinned; returns whether it was removed."""
@@ -258,6 +277,30 @@ class StagingCache:
             return True
 
     # --- internals (lock held) ---
+
+    def _reserve(self, nbytes: int) -> HostBuffer | _Fresh | None:
+        """Room for one buffer of ``nbytes``: a recycled or evicted buffer to reuse,
+        :data:`_FRESH` (counted in ``_used``; the caller allocates it), or ``None``."""
+        pool = self._free.get(nbytes)
+        if pool:
+            return pool.pop()
+        if nbytes > self.budget_bytes:
+            return None
+        while self._used + nbytes > self.budget_bytes:
+            if self._drop_one_free_buffer():
+                continue
+            victim = self._evict_one()
+            if victim is None:
+                return None
+            if victim.nbytes == nbytes:
+                # NOTE: the evicted buffer is reused as is: freeing it and allocating a
+                # fresh one costs page faults (pinned: a cudaHostAlloc) per block, and
+                # concurrent page faults serialize the I/O threads on the mmap lock.
+                return victim
+            self._used -= victim.nbytes
+            self._allocator.free(victim)
+        self._used += nbytes
+        return _FRESH
 
     def _evict_one(self) -> HostBuffer | None:
         """Drop the least recently used unpinned entry; its buffer (still counted in

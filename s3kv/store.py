@@ -89,6 +89,9 @@ _MAYBE_MAX_STEP = 4096
 #: the scheduler's thread keeps the GIL through a burst of claims; each holds its request's
 #: keys (and, until hashed, its tokens) alive.
 _MAX_WALKS = 64
+#: Fetches handed to the codec processes per batch: the first blocks of a prompt start
+#: at once, and the store's process pays its bookkeeping per batch, not per block.
+_FETCH_BATCH = 16
 
 _CODECS = {
     "raw": codec.CodecId.RAW,
@@ -241,7 +244,9 @@ class KVStore:
         self._codec = _CODECS[config.codec]
         self._lock = threading.Lock()
         self._save_space = threading.Condition(self._lock)
-        self._fetching: dict[BlockHash, threading.Event] = {}
+        self._fetching: set[BlockHash] = set()
+        #: Keys of ``_fetching`` someone waits for (:meth:`wait_staged`): set when fetched.
+        self._waiters: dict[BlockHash, threading.Event] = {}
         self._walks = 0  # prefetch_many tasks queued, not yet started
         self._saving: set[BlockHash] = set()
         self._inflight_save_bytes = 0
@@ -559,26 +564,43 @@ class KVStore:
         """Fetch ``keys`` into staging in the background, in order; returns how many queued.
 
         Keys already staged or being fetched are skipped; once ``max_prefetch_queue``
-        fetches are outstanding the rest are dropped (counted).
+        fetches are outstanding the rest are dropped (counted). With codec processes the
+        keys go to them in batches of :data:`_FETCH_BATCH` from one I/O task; otherwise each
+        key is one I/O task.
+
+        Raises:
+            KeyDerivationError: ``keys`` is lazy and a key cannot be derived; the keys
+                before it are fetched.
         """
         if self._breaker_open():
             self.metrics.inc("prefetch_skipped_unhealthy", len(keys))
             return 0
-        scheduled = 0
-        for key in keys:
-            with self._lock:
-                if self._closed:
-                    break
-                if key in self._fetching or key in self.staging:
-                    continue
-                if len(self._fetching) >= self.config.max_prefetch_queue:
-                    self.metrics.inc("prefetch_dropped", len(keys) - scheduled)
-                    break
-                self._fetching[key] = threading.Event()
-            self.metrics.inc("prefetch_scheduled")
-            self._pool.submit(Priority.PREFETCH, functools.partial(self._fetch, key))
-            scheduled += 1
-        return scheduled
+        chosen: list[BlockHash] = []
+        dropped = 0
+        malformed: KeyDerivationError | None = None
+        with self._lock:
+            if self._closed:
+                return 0
+            try:
+                for i, key in enumerate(keys):
+                    if key in self._fetching or key in self.staging:
+                        continue
+                    if len(self._fetching) >= self.config.max_prefetch_queue:
+                        dropped = len(keys) - i
+                        break
+                    self._fetching.add(key)
+                    chosen.append(key)
+            except KeyDerivationError as exc:  # NOTE: lazy keys: the ones before it go
+                malformed = exc
+        self.metrics.inc_many({"prefetch_scheduled": len(chosen), "prefetch_dropped": dropped})
+        if chosen and self._fetch_arena() is not None:
+            if not self._pool.submit(Priority.PREFETCH, functools.partial(self._fetch_all, chosen)):
+                self._fetch_done_many(chosen)
+        else:
+            self._fetch_each(chosen)
+        if malformed is not None:
+            raise malformed
+        return len(chosen)
 
     def prefetch_many(self, keys: Sequence[BlockHash], *, maybe_only: bool = False) -> int:
         """Hand ``keys`` to the I/O side in one step; returns how many were accepted.
@@ -635,22 +657,27 @@ class KVStore:
         deadline = None if timeout is None else time.monotonic() + timeout
         for key in keys:
             with self._lock:
-                event = self._fetching.get(key)
-            if event is not None:
-                remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
-                if not event.wait(remaining):
-                    break
+                if key not in self._fetching:
+                    continue
+                event = self._waiters.setdefault(key, threading.Event())
+            remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
+            if not event.wait(remaining):
+                break
         return self.staging.count_leading(keys)
 
+    def _fetch_each(self, keys: Sequence[BlockHash]) -> None:
+        """One I/O task per key, fetched in that thread (:meth:`_fetch`)."""
+        for i, key in enumerate(keys):
+            if not self._pool.submit(Priority.PREFETCH, functools.partial(self._fetch, key)):
+                self._fetch_done_many(keys[i:])  # NOTE: closed: nobody will fetch them
+                return
+
     def _fetch(self, key: BlockHash) -> None:
+        """GET, verify and decode ``key`` into staging in this thread."""
         object_key = self.object_key(key)
-        finish = True
         try:
             if key in self.quarantine:
                 self.metrics.inc("prefetch_quarantined")
-                return
-            if self._offload is not None and self._fetch_elsewhere(key, object_key):
-                finish = False  # NOTE: the outcome's callback finishes it
                 return
             stored = self.backend.get(object_key, max_bytes=self._max_object_bytes)
             if stored is None:
@@ -672,8 +699,7 @@ class KVStore:
         except (CodecError, StorageError) as exc:
             self._fetch_failed(key, object_key, exc)
         finally:
-            if finish:
-                self._fetch_done(key)
+            self._fetch_done_many([key])
 
     def _staged(self, key: BlockHash, buffer: HostBuffer, stored_len: int) -> None:
         self.staging.insert(key, buffer)
@@ -699,38 +725,18 @@ class KVStore:
             self.metrics.inc("prefetch_failed")
             self._log_failure("prefetch", exc)
 
-    def _record_request(self, op: str, outcome: Outcome) -> None:
-        """Count a codec process's request as a local one; raise its failure, if any."""
-        error = outcome.request_error.rebuild() if outcome.request_error is not None else None
-        if outcome.requested:
-            size = outcome.stored_len if error is None else 0
-            self.backend.record(
-                op,
-                outcome.seconds,
-                error if isinstance(error, StorageError) else None,
-                received=size if op == "get" else 0,
-                sent=size if op == "put" and outcome.found else 0,
-            )
-        else:
-            self.backend.withdraw()
-        if error is not None:
-            raise error
-
-    def _fetch_done(self, key: BlockHash) -> None:
+    def _fetch_done_many(self, keys: Sequence[BlockHash]) -> None:
+        """``keys`` are no longer being fetched (staged or not): wake their waiters."""
         with self._lock:
-            event = self._fetching.pop(key, None)
-        if event is not None:
-            event.set()
+            self._fetching.difference_update(keys)
+            if self._waiters:
+                for key in keys:
+                    event = self._waiters.pop(key, None)
+                    if event is not None:
+                        event.set()
 
-    def _fetch_elsewhere(self, key: BlockHash, object_key: str) -> bool:
-        """Hand the fetch of ``key`` to a codec process; ``False`` when this thread must do it.
-
-        The slot is reserved first (the processes decode into it) and belongs to the job
-        until its outcome (:meth:`_fetched`), which inserts or releases it.
-
-        Raises:
-            StorageError: the breaker refused the request.
-        """
+    def _fetch_arena(self) -> SlabArena | None:
+        """The arena the codec processes decode fetched blocks into, when they can."""
         arena = self._arenas[0] if self._arenas else None
         offload = self._offload
         if (
@@ -739,46 +745,118 @@ class KVStore:
             or arena.slot_bytes != self.block_nbytes
             or not offload.alive
         ):
-            return False
-        buffer = self.staging.allocate(arena.slot_bytes)
-        if buffer is None:
-            self.metrics.inc("prefetch_no_room")
-            self._fetch_done(key)
-            return True
-        try:
-            self.backend.admit("get")
-        except StorageError:
-            self.staging.release(buffer)
-            raise
-        job = FetchJob(
-            object_key, arena.path, arena.slot_bytes, arena.slot_of(buffer), self._max_object_bytes
-        )
-        if offload.submit(job, functools.partial(self._fetched, key, object_key, buffer)):
-            return True
-        self.staging.release(buffer)
-        self.backend.withdraw()
-        return False
+            return None
+        return arena
 
-    def _fetched(
-        self, key: BlockHash, object_key: str, buffer: HostBuffer, outcome: Outcome
-    ) -> None:
-        """A codec process's fetch of ``key`` into ``buffer`` ended (on its reader thread)."""
-        inserted = False
-        try:
-            self._record_request("get", outcome)
-            if outcome.codec_error is not None:
-                raise outcome.codec_error.rebuild()
-            if not outcome.found:
-                self.metrics.inc("prefetch_not_found")
+    def _fetch_all(self, keys: Sequence[BlockHash]) -> None:
+        """The I/O task of :meth:`prefetch` with codec processes: hand ``keys`` over in
+        order, :data:`_FETCH_BATCH` at a time; what no process takes is fetched here."""
+        for start in range(0, len(keys), _FETCH_BATCH):
+            end = start + _FETCH_BATCH
+            try:
+                left = self._fetch_elsewhere(keys[start:end])
+            except Exception:
+                self._fetch_done_many(keys[start:])  # NOTE: never leave a waiter waiting
+                raise
+            if left:
+                self._fetch_each([*left, *keys[end:]])
                 return
-            self._staged(key, buffer, outcome.stored_len)
-            inserted = True
-        except (CodecError, StorageError) as exc:
-            self._fetch_failed(key, object_key, exc)
+
+    def _fetch_elsewhere(self, keys: Sequence[BlockHash]) -> list[BlockHash]:
+        """Hand the fetches of ``keys`` to the codec processes as one batch; returns those
+        no process took (none left alive), for this process to fetch.
+
+        Each key's slot is reserved first (the processes decode into it) and belongs to its
+        job until the outcome (:meth:`_fetched_many`), which inserts or releases it. Keys
+        quarantined, without room, or refused by the breaker end here, counted.
+        """
+        arena = self._fetch_arena()
+        offload = self._offload
+        if arena is None or offload is None:
+            return list(keys)
+        wanted = [key for key in keys if key not in self.quarantine]
+        buffers = self.staging.allocate_many(arena.slot_bytes, len(wanted))
+        self.metrics.inc_many(
+            {
+                "prefetch_quarantined": len(keys) - len(wanted),
+                "prefetch_no_room": len(wanted) - len(buffers),
+            }
+        )
+        self._fetch_done_many(
+            [*(key for key in keys if key in self.quarantine), *wanted[len(buffers) :]]
+        )
+        taken = wanted[: len(buffers)]
+        object_keys = [self.object_key(key) for key in taken]
+        done = functools.partial(self._fetched_many, taken, object_keys, buffers)
+        admitted = self.backend.admit_many("get", len(taken))
+        if admitted < len(taken):
+            done([(i, _NOT_ADMITTED) for i in range(admitted, len(taken))])
+        jobs: list[Job] = [
+            FetchJob(object_keys[i], arena.path, arena.slot_bytes, arena.slot_of(buffers[i]),
+                     self._max_object_bytes)
+            for i in range(admitted)
+        ]  # fmt: skip
+        if not jobs or offload.submit_batch(jobs, done):
+            return []
+        self.staging.release_many(buffers[:admitted])
+        for _ in jobs:
+            self.backend.withdraw()
+        return taken[:admitted]
+
+    def _fetched_many(
+        self,
+        keys: Sequence[BlockHash],
+        object_keys: Sequence[str],
+        buffers: Sequence[HostBuffer],
+        outcomes: Sequence[tuple[int, Outcome]],
+    ) -> None:
+        """Some of a batch's fetches ended (on a codec process's reader thread).
+
+        In one pass: their requests recorded, the verified blocks inserted into staging
+        under one lock, the rest's slots released, counters added once, the keys finished.
+        """
+        requests: list[Recorded] = []
+        staged: list[tuple[BlockHash, HostBuffer]] = []
+        failed: list[tuple[int, CodecError | StorageError]] = []
+        not_found = stored_bytes = 0
+        try:
+            for index, outcome in outcomes:
+                error: S3KVError | None = None
+                if outcome.request_error is not None:
+                    error = outcome.request_error.rebuild()
+                if outcome.requested:
+                    storage_error = error if isinstance(error, StorageError) else None
+                    received = outcome.stored_len if error is None else 0
+                    requests.append(Recorded(outcome.seconds, storage_error, received, 0))
+                elif outcome.job_id != _NOT_ADMITTED.job_id:  # NOTE: admitted, never made
+                    self.backend.withdraw()
+                if error is None and outcome.codec_error is not None:
+                    error = outcome.codec_error.rebuild()
+                if isinstance(error, CodecError | StorageError):
+                    failed.append((index, error))
+                elif not outcome.found:
+                    not_found += 1
+                else:
+                    staged.append((keys[index], buffers[index]))
+                    stored_bytes += outcome.stored_len
+            self.backend.record_many("get", requests)
+            self.staging.insert_many(staged)
+            self.metrics.inc_many(
+                {
+                    "prefetch_staged": len(staged),
+                    "stage_raw_bytes": sum(buffer.nbytes for _, buffer in staged),
+                    "stage_stored_bytes": stored_bytes,
+                    "prefetch_not_found": not_found,
+                }
+            )
+            for index, exc in failed:
+                self._fetch_failed(keys[index], object_keys[index], exc)
         finally:
-            if not inserted:
-                self.staging.release(buffer)
-            self._fetch_done(key)
+            inserted = {id(buffer) for _, buffer in staged}
+            self.staging.release_many(
+                [buffers[i] for i, _ in outcomes if id(buffers[i]) not in inserted]
+            )
+            self._fetch_done_many([keys[i] for i, _ in outcomes])
 
     # --- save: encode → PUT → manifest ---
 
@@ -1269,7 +1347,8 @@ def _finish_open(
 _NOT_SUBMITTED = Outcome(
     -2, False, 0.0, Failure("StorageError", "no codec process is running", "codec"), False, 0, None
 )
-#: The outcome of a save the circuit breaker refused (job id -1: nothing to withdraw).
+#: The outcome of a save or fetch the circuit breaker refused (job id -1: nothing to
+#: withdraw).
 _NOT_ADMITTED = Outcome(
     -1, False, 0.0,
     Failure("CircuitOpenError", "s3kv: object store marked unhealthy; skipping the request",

@@ -448,6 +448,117 @@ def test_a_half_open_breaker_lets_one_save_of_a_batch_probe_and_fails_the_rest(
     assert store.manifest.contains_many(ids).tolist() == [True, False, False, False]
 
 
+def test_a_prefetch_goes_to_the_processes_in_batches_and_every_key_ends_once(
+    bucket: Path, no_local_codec: None, open_stores: list[KVStore], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    ids = keys(40, salt=12)
+    writer = open_store(file_config(bucket), open_stores)
+    save_blocks(writer, ids[:-1])  # NOTE: the last key was never saved: a miss
+    assert writer.flush(timeout=20)
+    reader = open_store(file_config(bucket), open_stores)
+    assert reader._offload is not None
+    assert reader._offload.wait_ready(20) == 2
+    reader.quarantine.add(ids[5])
+    reader.quarantine.add(ids[20])
+    batches: list[int] = []
+    delivered: list[BlockHash] = []
+    real_submit, real_done = CodecProcesses.submit_batch, KVStore._fetched_many
+
+    def submitted(self: CodecProcesses, jobs: Any, done: Any) -> bool:
+        batches.append(len(jobs))
+        return real_submit(self, jobs, done)
+
+    def ended(self: KVStore, keys: Any, names: Any, buffers: Any, outcomes: Any) -> None:
+        delivered.extend(keys[i] for i, _ in outcomes)
+        real_done(self, keys, names, buffers, outcomes)
+
+    monkeypatch.setattr(CodecProcesses, "submit_batch", submitted)
+    monkeypatch.setattr(KVStore, "_fetched_many", ended)
+    assert reader.prefetch(ids) == len(ids)
+    assert reader.wait_staged(ids, timeout=20) == 5  # NOTE: the first quarantined key
+    assert wait_until(lambda: len(delivered) == len(ids) - 2)
+    assert batches == [15, 15, 8]  # NOTE: 16 keys a batch, the quarantined ones never sent
+    assert sorted(delivered) == sorted(k for k in ids if k not in (ids[5], ids[20]))
+    stats = reader.stats()
+    assert stats["prefetch_scheduled"] == len(ids)
+    assert stats["prefetch_staged"] == len(ids) - 3
+    assert stats["prefetch_quarantined"] == 2
+    assert stats["prefetch_not_found"] == 1
+    assert stats['requests{op="get"}'] >= len(ids) - 2
+    assert reader.staging.used_bytes == (len(ids) - 2) * NBYTES  # NOTE: the miss's recycled
+    for i, key in enumerate(ids[:-1]):
+        if key not in (ids[5], ids[20]):
+            assert np.array_equal(reader.staged(key), block_bytes(i))  # type: ignore[arg-type]
+    assert reader.wait_staged(ids[6:], timeout=1) == 14  # NOTE: nothing left to wait for
+
+
+def test_keys_without_room_end_at_once_counted_and_the_rest_stage(
+    bucket: Path, open_stores: list[KVStore]
+) -> None:
+    ids = keys(10, salt=13)
+    writer = open_store(file_config(bucket), open_stores)
+    save_blocks(writer, ids)
+    assert writer.flush(timeout=20)
+    reader = open_store(file_config(bucket, staging_bytes=8 * NBYTES), open_stores)
+    reader.prefetch(ids[:6])
+    assert reader.wait_staged(ids[:6], timeout=20) == 6
+    assert reader.pin_leading(ids[:6]) == 6  # NOTE: claimed: never evicted
+    started = time.monotonic()
+    assert reader.prefetch(ids[6:]) == 4
+    reader.wait_staged(ids[6:], timeout=20)
+    assert time.monotonic() - started < 10  # NOTE: no waiter is left waiting
+    assert reader.staging.count_leading(ids) == 8
+    assert reader.stats()["prefetch_no_room"] == 2
+    assert not reader._fetching
+
+
+def test_a_half_open_breaker_lets_one_fetch_of_a_batch_probe_and_fails_the_rest(
+    bucket: Path, open_stores: list[KVStore]
+) -> None:
+    ids = keys(4, salt=14)
+    writer = open_store(file_config(bucket), open_stores)
+    save_blocks(writer, ids)
+    assert writer.flush(timeout=20)
+    store, breaker = tripped_store(bucket, open_stores)
+    assert wait_until(lambda: breaker.state.value == "half_open")
+    store.prefetch(ids)
+    assert store.wait_staged(ids, timeout=20) == 1  # NOTE: the probe, first in order
+    stats = store.stats()
+    assert stats["prefetch_staged"] == 1
+    assert stats["prefetch_failed"] == 3
+    assert stats['request_errors{kind="circuit_open",op="get"}'] == 3
+    assert breaker.healthy  # NOTE: the probe succeeded
+    assert store.staging.used_bytes <= 4 * NBYTES
+    assert not store._fetching
+
+
+def test_one_reader_serves_every_process_while_one_hangs_and_after_it_dies(
+    bucket: Path, open_stores: list[KVStore]
+) -> None:
+    ids = keys(16, salt=15)
+    writer = open_store(file_config(bucket), open_stores)
+    save_blocks(writer, ids)
+    assert writer.flush(timeout=20)
+    reader = open_store(file_config(bucket), open_stores)
+    offload = reader._offload
+    assert offload is not None
+    assert offload.wait_ready(20) == 2
+    hung, alive = offload.pids
+    os.kill(hung, signal.SIGSTOP)
+    reader.prefetch(ids)
+    # NOTE: a batch is spread over both processes: the live one's half stages meanwhile.
+    assert wait_until(lambda: reader.stats().get("prefetch_staged", 0) == len(ids) // 2)
+    assert offload.outstanding == len(ids) // 2
+    os.kill(hung, signal.SIGKILL)
+    assert wait_until(lambda: reader.stats().get("prefetch_failed", 0) == len(ids) // 2)
+    assert offload.pids == [alive]
+    assert not reader._fetching
+    reader.prefetch(ids)  # NOTE: the failed half again, all to the survivor
+    assert reader.wait_staged(ids, timeout=20) == len(ids)
+    for i, key in enumerate(ids):
+        assert np.array_equal(reader.staged(key), block_bytes(i))  # type: ignore[arg-type]
+
+
 # --- where the processes run (codec_cpus) ---
 
 

@@ -102,3 +102,58 @@ def test_duplicate_insert_keeps_first() -> None:
     assert got is not None
     assert int(got[0]) == 1
     assert len(cache) == 1
+
+
+def test_allocate_many_gives_what_room_there_is_reusing_then_evicting() -> None:
+    metrics = Metrics()
+    cache = StagingCache(500, allocator=NumpyAllocator(), metrics=metrics)
+    ks = keys(4)
+    for i, key in enumerate(ks[:3]):
+        assert fill(cache, key, 100, i)
+    cache.pin_leading(ks[:1])  # NOTE: the oldest entry is pinned: never evicted
+    spare = cache.allocate(100)
+    assert spare is not None
+    cache.release(spare)  # NOTE: a recycled buffer, reused first
+    got = cache.allocate_many(100, 4)
+    assert len(got) == 4  # the recycled one, one fresh (room for 500), two evicted entries
+    assert any(buffer is spare for buffer in got)
+    assert len({id(buffer) for buffer in got}) == 4
+    assert cache.count_leading(ks[:1]) == 1
+    assert ks[1] not in cache
+    assert ks[2] not in cache
+    assert cache.used_bytes == 500
+    assert cache.allocate_many(100, 3) == []  # NOTE: only the pinned entry is left
+    assert metrics.value("staging_bytes") == 500
+
+
+def test_a_failed_allocation_gives_back_the_room_reserved_for_the_rest() -> None:
+    made: list[int] = []
+
+    class FailingAllocator(NumpyAllocator):
+        def allocate(self, nbytes: int) -> np.ndarray:  # type: ignore[type-arg]
+            if len(made) == 2:
+                raise MemoryError("no pinned memory left")
+            made.append(nbytes)
+            return super().allocate(nbytes)
+
+    cache = StagingCache(1000, allocator=FailingAllocator())
+    got = cache.allocate_many(100, 5)
+    assert len(got) == 2
+    assert cache.used_bytes == 200  # NOTE: the three never made are not counted as held
+
+
+def test_insert_many_and_release_many_publish_and_recycle_under_one_lock() -> None:
+    cache = StagingCache(1000, allocator=NumpyAllocator())
+    ks = keys(3)
+    buffers = cache.allocate_many(100, 4)
+    for value, buffer in enumerate(buffers):
+        buffer[:] = value
+    cache.insert_many([(ks[0], buffers[0]), (ks[1], buffers[1]), (ks[0], buffers[2])])
+    cache.release_many([buffers[3]])
+    assert cache.count_leading(ks) == 2
+    first = cache.get(ks[0])
+    assert first is not None
+    assert int(first[0]) == 0  # NOTE: a duplicate keeps the first
+    assert cache.used_bytes == 400  # NOTE: the duplicate and the released are recycled
+    again = cache.allocate_many(100, 2)
+    assert {id(b) for b in again} == {id(buffers[2]), id(buffers[3])}

@@ -9,15 +9,17 @@ or PUT too, so block bytes never pass through the engine's process: it reads and
 slots of shared memory (:class:`~s3kv.arena.SlabArena`) the store's process maps too.
 
 Costs here, per block: one tuple into a list (:meth:`CodecProcesses.submit`, from any
-thread), a share of one pickled message each way, and its share of one callback on a reader
-thread. Jobs and outcomes are batched per message, and the outcomes of a batch submitted
-together (:meth:`CodecProcesses.submit_batch`) reach their callback together, once per
-message: the engine's interpreter pays per message what it paid per block.
+thread), a share of one pickled message each way, and its share of one callback on the
+reader thread. Jobs and outcomes are batched per message. One reader thread serves every
+process: each time it wakes it reads every message that has arrived, from all of them, and
+the outcomes of a batch submitted together (:meth:`CodecProcesses.submit_batch`) reach
+their callback together, once per wake-up. So the busier the processes, the more outcomes
+the engine's interpreter handles per pass, and no thread per process competes for its GIL.
 
 Safety: a slot given to a job is written (or read) by that job's process until its outcome
-arrives, so the caller must not reuse it before. When a process dies, its reader waits for
-it to have exited before failing its outstanding jobs: a slot is never handed back while a
-process could still write it. No job ever waits on a timer.
+arrives, so the caller must not reuse it before. When a process dies, its outstanding jobs
+fail only once it has exited: a slot is never handed back while a process could still write
+it. No job ever waits on a timer.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ import sys
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from multiprocessing import connection
 from multiprocessing.connection import Connection
 
 from s3kv.auth import Keyring
@@ -61,7 +64,6 @@ class _Child:
     process: subprocess.Popen[bytes]
     conn: Connection
     sock: socket.socket
-    reader: threading.Thread | None = None
     alive: bool = True
     ready: bool = False  # NOTE: set up (bucket client open); jobs go to ready ones first
     outbox: list[tuple[int, Job]] = field(default_factory=list)
@@ -132,14 +134,9 @@ class CodecProcesses:
         for child in self._children:
             with contextlib.suppress(OSError):  # NOTE: its reader sees it died
                 child.conn.send_bytes(message)
-        for child in self._children:
-            child.reader = threading.Thread(
-                target=self._read_loop,
-                args=(child,),
-                name=f"{name}-read-{child.index}",
-                daemon=True,
-            )
-            child.reader.start()
+        self._funerals: list[threading.Thread] = []  # NOTE: each waits for a process's exit
+        self._reader = threading.Thread(target=self._read_loop, name=f"{name}-read", daemon=True)
+        self._reader.start()
         self._sender = threading.Thread(target=self._send_loop, name=f"{name}-send", daemon=True)
         self._sender.start()
 
@@ -205,7 +202,7 @@ class CodecProcesses:
     # --- jobs ---
 
     def submit(self, job: Job, done: Done) -> bool:
-        """Queue ``job``; ``done(outcome)`` runs later on a reader thread, exactly once.
+        """Queue ``job``; ``done(outcome)`` runs later on the reader thread, exactly once.
 
         Returns ``False`` (and never calls ``done``) when closing or no process is alive.
         ``done`` must not raise and must not call back into this object's :meth:`close`.
@@ -224,9 +221,9 @@ class CodecProcesses:
     def submit_batch(self, jobs: Sequence[Job], done: BatchDone) -> bool:
         """Queue ``jobs``, spread over the live processes: one lock, one wake-up.
 
-        ``done(pairs)`` runs on reader threads with ``(index in jobs, outcome)`` pairs: every
-        job's outcome is in exactly one call, and a call holds the outcomes of one message
-        (so, usually, many). All or nothing: ``False`` (``done`` never called) when closing
+        ``done(pairs)`` runs on the reader thread with ``(index in jobs, outcome)`` pairs:
+        every job's outcome is in exactly one call, and a call holds all of them that arrived
+        together (so, usually, many). All or nothing: ``False`` (``done`` never called) when closing
         or no process is alive. ``done`` must not raise nor call :meth:`close`.
         """
         with self._lock:
@@ -257,33 +254,58 @@ class CodecProcesses:
                     # NOTE: its reader sees the end too and fails what is outstanding.
                     logger.debug("s3kv: codec process %d: send failed", child.index)
 
-    def _read_loop(self, child: _Child) -> None:
-        reason = "exited"
+    def _read_loop(self) -> None:
+        """Read every process's messages until none is left; deliver per wake-up."""
+        live = {child.conn: child for child in self._children}
+        while live:
+            # NOTE: only _died closes a connection, after it has left ``live``
+            ready = connection.wait(list(live))
+            arrived: list[tuple[_Waiter, Outcome]] = []
+            for conn in ready:
+                child = live[conn]  # type: ignore[index]
+                ended = self._read_one(child, arrived)
+                if ended is not None:
+                    del live[child.conn]
+                    self._bury(child, ended)
+            # NOTE: one pass of callbacks and one notification per wake-up, however many
+            # messages arrived: this thread shares the engine's interpreter.
+            _deliver_all(arrived)
+            with self._lock:
+                self._changed.notify_all()
+
+    def _read_one(self, child: _Child, arrived: list[tuple[_Waiter, Outcome]]) -> str | None:
+        """Read one message of ``child``: outcomes go to ``arrived``. Returns why the
+        process ended when it did, else None."""
         try:
-            while True:
-                message = pickle.loads(child.conn.recv_bytes())
-                if isinstance(message, tuple) and message[:1] == ("setup_failed",):
-                    reason = f"failed to start: {message[1]}"
-                    break
-                if isinstance(message, tuple) and message[:1] == ("ready",):
-                    with self._lock:
-                        child.ready = True
-                        self._changed.notify_all()
-                    continue
-                # NOTE: one lock and one notification per message, not per outcome: this
-                # thread shares the engine's interpreter.
-                with self._lock:
-                    pairs = [(child.pending.pop(o.job_id, None), o) for o in message]
-                _deliver_all([(w, o) for w, o in pairs if w is not None])
-                with self._lock:
-                    self._changed.notify_all()
+            message = pickle.loads(child.conn.recv_bytes())
         except (EOFError, OSError, pickle.UnpicklingError):
-            pass
-        self._died(child, reason)
+            return "exited"
+        if isinstance(message, tuple) and message[:1] == ("setup_failed",):
+            return f"failed to start: {message[1]}"
+        if isinstance(message, tuple) and message[:1] == ("ready",):
+            with self._lock:
+                child.ready = True
+            return None
+        with self._lock:
+            for outcome in message:
+                waiter = child.pending.pop(outcome.job_id, None)
+                if waiter is not None:
+                    arrived.append((waiter, outcome))
+        return None
+
+    def _bury(self, child: _Child, reason: str) -> None:
+        """Stop giving ``child`` jobs now; fail its outstanding ones once it has exited (on a
+        thread of its own: the reader serves the others meanwhile)."""
+        with self._lock:
+            child.alive = False
+            funeral = threading.Thread(
+                target=self._died, args=(child, reason), name="s3kv-codec-exit", daemon=True
+            )
+            self._funerals.append(funeral)
+        funeral.start()
 
     def _died(self, child: _Child, reason: str) -> None:
         with self._lock:
-            child.alive = False
             closing = self._closing
         # NOTE: only once the process is gone may its slots be handed back.
         if child.process.poll() is None:
@@ -332,9 +354,11 @@ class CodecProcesses:
         for child in self._children:
             with contextlib.suppress(OSError):  # NOTE: the process exits on end of input
                 child.sock.shutdown(socket.SHUT_WR)
-        for child in self._children:
-            if child.reader is not None:
-                child.reader.join(_EXIT_GRACE * 2)  # NOTE: its _died waits, then kills
+        self._reader.join(_EXIT_GRACE * 2)
+        with self._lock:
+            funerals = list(self._funerals)
+        for funeral in funerals:
+            funeral.join(_EXIT_GRACE * 2)  # NOTE: _died waits for the exit, then kills
         return drained
 
 
