@@ -22,6 +22,7 @@ container and instance roles) supplies them, so they never appear in a config du
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import ipaddress
 import math
 import os
@@ -622,9 +623,7 @@ class S3KVConfig:
         if path:
             for name, value in _read_toml(Path(path)).items():
                 if name not in known:
-                    raise ConfigError(
-                        f"{path}: unknown setting {name!r}; known: {', '.join(sorted(known))}"
-                    )
+                    raise ConfigError(f"{path}: {_unknown_setting(name, known)}")
                 raw[name] = value
                 sources[name] = f"file {path}"
         for name in known:
@@ -641,12 +640,12 @@ class S3KVConfig:
         )
         if unknown_env:
             raise ConfigError(
-                f"{unknown_env[0]}: unknown setting; known names are "
-                f"{ENV_PREFIX}<{'|'.join(n.upper() for n in sorted(known))}>"
+                f"{unknown_env[0]}: "
+                + _unknown_setting(unknown_env[0][len(ENV_PREFIX) :].lower(), known, ENV_PREFIX)
             )
         for name, value in overrides.items():
             if name not in known:
-                raise ConfigError(f"unknown setting {name!r}")
+                raise ConfigError(_unknown_setting(name, known))
             if value is not None:
                 raw[name] = value
                 sources[name] = "argument"
@@ -656,6 +655,17 @@ class S3KVConfig:
     def describe(self) -> dict[str, Any]:
         """All settings as a plain dict (safe to log: there are no secrets in it)."""
         return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+def _unknown_setting(name: str, known: Mapping[str, object], prefix: str = "") -> str:
+    """One short line for a setting that does not exist: the nearest names, else where the
+    list is (every setting listed would make a line of 800 characters)."""
+    near = difflib.get_close_matches(name, known, n=3, cutoff=0.6)
+    if near:
+        hint = "did you mean " + " or ".join(f"{prefix}{n.upper() if prefix else n}" for n in near)
+    else:
+        hint = "the README's Configuration section lists every setting"
+    return f"unknown setting {name!r}; {hint}"
 
 
 def _read_toml(path: Path) -> dict[str, Any]:

@@ -81,6 +81,24 @@ def test_bad_toml_file(tmp_path: Path) -> None:
         S3KVConfig.load(environ={"TLLM_S3KV_CONFIG": str(path)})
 
 
+def test_an_unknown_setting_is_one_short_line_naming_the_nearest(tmp_path: Path) -> None:
+    path = tmp_path / "s3kv.toml"
+    cases = [
+        ("codec_proceses = 2\n", "unknown setting 'codec_proceses'; did you mean codec_processes"),
+        ("0 = 0\n", "unknown setting '0'; the README's Configuration section lists every"),
+    ]
+    for text, expected in cases:
+        path.write_text(text)
+        with pytest.raises(ConfigError) as info:
+            S3KVConfig.load(environ={"TLLM_S3KV_CONFIG": str(path)})
+        assert expected in str(info.value)
+        assert len(str(info.value)) < 200  # NOTE: it listed all 49 settings: 842 characters
+    with pytest.raises(ConfigError, match="did you mean TLLM_S3KV_STAGING_BYTES"):
+        S3KVConfig.load(environ={"TLLM_S3KV_STAGING_BYTE": "1GiB"})
+    with pytest.raises(ConfigError, match="unknown setting 'io_thread'; did you mean io_threads"):
+        S3KVConfig.load(environ={}, io_thread=2)
+
+
 @pytest.mark.parametrize(
     ("text", "seconds"),
     [("90s", 90), ("30m", 1800), ("12h", 43200), ("7d", 604800), ("2w", 1209600), (5, 5)],
