@@ -126,6 +126,11 @@ class StagingCache:
         self._lock = threading.Lock()
 
     @property
+    def allocator(self) -> HostAllocator:
+        """Where this cache's buffers come from."""
+        return self._allocator
+
+    @property
     def pinned_memory(self) -> bool:
         """Whether buffers are CUDA pinned host memory."""
         return self._allocator.pinned

@@ -575,23 +575,25 @@ class KVStore:
         if self._breaker_open():
             self.metrics.inc("prefetch_skipped_unhealthy", len(keys))
             return 0
+        listed: list[BlockHash] = []
+        malformed: KeyDerivationError | None = None
+        try:
+            listed.extend(keys)  # NOTE: lazy keys are hashed here, not under the lock
+        except KeyDerivationError as exc:  # NOTE: the keys before it still go
+            malformed = exc
         chosen: list[BlockHash] = []
         dropped = 0
-        malformed: KeyDerivationError | None = None
         with self._lock:
             if self._closed:
                 return 0
-            try:
-                for i, key in enumerate(keys):
-                    if key in self._fetching or key in self.staging:
-                        continue
-                    if len(self._fetching) >= self.config.max_prefetch_queue:
-                        dropped = len(keys) - i
-                        break
-                    self._fetching.add(key)
-                    chosen.append(key)
-            except KeyDerivationError as exc:  # NOTE: lazy keys: the ones before it go
-                malformed = exc
+            for i, key in enumerate(listed):
+                if key in self._fetching or key in self.staging:
+                    continue
+                if len(self._fetching) >= self.config.max_prefetch_queue:
+                    dropped = len(listed) - i
+                    break
+                self._fetching.add(key)
+                chosen.append(key)
         self.metrics.inc_many({"prefetch_scheduled": len(chosen), "prefetch_dropped": dropped})
         if chosen and self._fetch_arena() is not None:
             if not self._pool.submit(Priority.PREFETCH, functools.partial(self._fetch_all, chosen)):
@@ -736,12 +738,12 @@ class KVStore:
                         event.set()
 
     def _fetch_arena(self) -> SlabArena | None:
-        """The arena the codec processes decode fetched blocks into, when they can."""
-        arena = self._arenas[0] if self._arenas else None
+        """The staging arena, when the codec processes can decode fetched blocks into it."""
+        arena = self.staging.allocator
         offload = self._offload
         if (
             offload is None
-            or arena is None
+            or not isinstance(arena, SlabArena)
             or arena.slot_bytes != self.block_nbytes
             or not offload.alive
         ):
@@ -750,7 +752,8 @@ class KVStore:
 
     def _fetch_all(self, keys: Sequence[BlockHash]) -> None:
         """The I/O task of :meth:`prefetch` with codec processes: hand ``keys`` over in
-        order, :data:`_FETCH_BATCH` at a time; what no process takes is fetched here."""
+        order, :data:`_FETCH_BATCH` at a time. Once no process takes them (none left alive),
+        the rest become one I/O task each, fetched in this process (:meth:`_fetch_each`)."""
         for start in range(0, len(keys), _FETCH_BATCH):
             end = start + _FETCH_BATCH
             try:
@@ -774,30 +777,36 @@ class KVStore:
         offload = self._offload
         if arena is None or offload is None:
             return list(keys)
-        wanted = [key for key in keys if key not in self.quarantine]
+        wanted: list[BlockHash] = []
+        quarantined: list[BlockHash] = []
+        for key in keys:  # NOTE: asked once per key: a save may lift a quarantine meanwhile
+            (quarantined if key in self.quarantine else wanted).append(key)
         buffers = self.staging.allocate_many(arena.slot_bytes, len(wanted))
         self.metrics.inc_many(
             {
-                "prefetch_quarantined": len(keys) - len(wanted),
+                "prefetch_quarantined": len(quarantined),
                 "prefetch_no_room": len(wanted) - len(buffers),
             }
         )
-        self._fetch_done_many(
-            [*(key for key in keys if key in self.quarantine), *wanted[len(buffers) :]]
-        )
+        self._fetch_done_many([*quarantined, *wanted[len(buffers) :]])
         taken = wanted[: len(buffers)]
         object_keys = [self.object_key(key) for key in taken]
         done = functools.partial(self._fetched_many, taken, object_keys, buffers)
         admitted = self.backend.admit_many("get", len(taken))
         if admitted < len(taken):
             done([(i, _NOT_ADMITTED) for i in range(admitted, len(taken))])
-        jobs: list[Job] = [
-            FetchJob(object_keys[i], arena.path, arena.slot_bytes, arena.slot_of(buffers[i]),
-                     self._max_object_bytes)
-            for i in range(admitted)
-        ]  # fmt: skip
-        if not jobs or offload.submit_batch(jobs, done):
-            return []
+        try:
+            jobs: list[Job] = [
+                FetchJob(object_keys[i], arena.path, arena.slot_bytes, arena.slot_of(buffers[i]),
+                         self._max_object_bytes)
+                for i in range(admitted)
+            ]  # fmt: skip
+            if not jobs or offload.submit_batch(jobs, done):
+                return []
+        except Exception:
+            # NOTE: nothing was handed over: the slots and admissions are this thread's
+            done([(i, _NOT_SUBMITTED) for i in range(admitted)])
+            raise
         self.staging.release_many(buffers[:admitted])
         for _ in jobs:
             self.backend.withdraw()
@@ -817,23 +826,14 @@ class KVStore:
         """
         requests: list[Recorded] = []
         staged: list[tuple[BlockHash, HostBuffer]] = []
+        inserted: list[tuple[BlockHash, HostBuffer]] = []
         failed: list[tuple[int, CodecError | StorageError]] = []
         not_found = stored_bytes = 0
         try:
             for index, outcome in outcomes:
-                error: S3KVError | None = None
-                if outcome.request_error is not None:
-                    error = outcome.request_error.rebuild()
-                if outcome.requested:
-                    storage_error = error if isinstance(error, StorageError) else None
-                    received = outcome.stored_len if error is None else 0
-                    requests.append(Recorded(outcome.seconds, storage_error, received, 0))
-                elif outcome.job_id != _NOT_ADMITTED.job_id:  # NOTE: admitted, never made
-                    self.backend.withdraw()
-                if error is None and outcome.codec_error is not None:
-                    error = outcome.codec_error.rebuild()
-                if isinstance(error, CodecError | StorageError):
-                    failed.append((index, error))
+                error = self._outcome_error("get", outcome, requests)
+                if error is not None:
+                    failed.append((index, _as_fetch_failure(error)))
                 elif not outcome.found:
                     not_found += 1
                 else:
@@ -841,6 +841,7 @@ class KVStore:
                     stored_bytes += outcome.stored_len
             self.backend.record_many("get", requests)
             self.staging.insert_many(staged)
+            inserted = staged
             self.metrics.inc_many(
                 {
                     "prefetch_staged": len(staged),
@@ -852,11 +853,29 @@ class KVStore:
             for index, exc in failed:
                 self._fetch_failed(keys[index], object_keys[index], exc)
         finally:
-            inserted = {id(buffer) for _, buffer in staged}
+            kept = {id(buffer) for _, buffer in inserted}
             self.staging.release_many(
-                [buffers[i] for i, _ in outcomes if id(buffers[i]) not in inserted]
+                [buffers[i] for i, _ in outcomes if id(buffers[i]) not in kept]
             )
             self._fetch_done_many([keys[i] for i, _ in outcomes])
+
+    def _outcome_error(
+        self, op: str, outcome: Outcome, requests: list[Recorded]
+    ) -> S3KVError | None:
+        """What failed in a codec process's job (its request first, then its codec), if
+        anything. A request it made goes to ``requests`` (for ``record_many``); an admitted
+        one it never made is withdrawn; one the breaker refused was never admitted."""
+        error = outcome.request_error.rebuild() if outcome.request_error is not None else None
+        if outcome.requested:
+            storage_error = error if isinstance(error, StorageError) else None
+            size = outcome.stored_len if error is None and (op == "get" or outcome.found) else 0
+            received, sent = (size, 0) if op == "get" else (0, size)
+            requests.append(Recorded(outcome.seconds, storage_error, received, sent))
+        elif outcome.job_id != _NOT_ADMITTED.job_id:  # NOTE: admitted, never made
+            self.backend.withdraw()
+        if error is None and outcome.codec_error is not None:
+            error = outcome.codec_error.rebuild()
+        return error
 
     # --- save: encode → PUT → manifest ---
 
@@ -1167,17 +1186,7 @@ class KVStore:
                 consumed = batch.consumed[index]
                 if consumed is not None:
                     consumed()
-                error: S3KVError | None = None
-                if outcome.request_error is not None:
-                    error = outcome.request_error.rebuild()
-                if outcome.requested:
-                    storage_error = error if isinstance(error, StorageError) else None
-                    sent = outcome.stored_len if error is None and outcome.found else 0
-                    requests.append(Recorded(outcome.seconds, storage_error, 0, sent))
-                elif outcome.job_id != _NOT_ADMITTED.job_id:  # NOTE: admitted, never made
-                    self.backend.withdraw()
-                if error is None and outcome.codec_error is not None:
-                    error = outcome.codec_error.rebuild()
+                error = self._outcome_error("put", outcome, requests)
                 if isinstance(error, StorageError | CodecError):
                     counts["save_failed"] += 1
                     self._log_failure("save", error)
@@ -1343,7 +1352,15 @@ def _finish_open(
     return own
 
 
-#: The outcome of a save no codec process accepted (all of them died meanwhile).
+def _as_fetch_failure(error: S3KVError) -> CodecError | StorageError:
+    """A fetch's failure as the kind :meth:`KVStore._fetch_failed` counts (an error of
+    another kind is a failed request: its slot is never inserted)."""
+    if isinstance(error, CodecError | StorageError):
+        return error
+    return StorageError(str(error))
+
+
+#: The outcome of a job no codec process accepted (none alive, or it could not be sent).
 _NOT_SUBMITTED = Outcome(
     -2, False, 0.0, Failure("StorageError", "no codec process is running", "codec"), False, 0, None
 )

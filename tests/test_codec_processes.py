@@ -25,6 +25,8 @@ from s3kv.config import S3KVConfig
 from s3kv.errors import ConfigError
 from s3kv.keys import ROOT_HASH, BlockHash, ModelIdentity
 from s3kv.offload import CodecProcesses, affinity
+from s3kv.quarantine import Quarantine
+from s3kv.staging import NumpyAllocator
 from s3kv.storage import CircuitBreaker, FileBackend
 from s3kv.store import KVStore, SaveStatus
 
@@ -554,6 +556,105 @@ def test_one_reader_serves_every_process_while_one_hangs_and_after_it_dies(
     assert offload.pids == [alive]
     assert not reader._fetching
     reader.prefetch(ids)  # NOTE: the failed half again, all to the survivor
+    assert reader.wait_staged(ids, timeout=20) == len(ids)
+    for i, key in enumerate(ids):
+        assert np.array_equal(reader.staged(key), block_bytes(i))  # type: ignore[arg-type]
+
+
+def test_a_quarantine_lifted_while_a_batch_is_handed_over_leaves_no_key_behind(
+    bucket: Path, open_stores: list[KVStore], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    ids = keys(3, salt=16)
+    reader = open_store(file_config(bucket), open_stores)
+    assert reader._offload is not None
+    assert reader._offload.wait_ready(20) == 2
+    asked: list[object] = []
+
+    class Lifting(Quarantine[BlockHash]):
+        """Quarantined when first asked, lifted after (as a save of the key would)."""
+
+        def __contains__(self, key: object) -> bool:
+            asked.append(key)
+            return key == ids[1] and asked.count(key) == 1
+
+    monkeypatch.setattr(reader, "quarantine", Lifting())
+    reader.prefetch(ids)
+    reader.wait_staged(ids, timeout=10)
+    assert wait_until(lambda: not reader._fetching)  # NOTE: it was asked twice: stuck for good
+    assert reader.stats()["prefetch_quarantined"] == 1
+
+
+def test_a_batch_that_cannot_be_handed_over_gives_back_its_slots_and_its_probe(
+    bucket: Path, open_stores: list[KVStore], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    ids = keys(1, salt=17)
+    writer = open_store(file_config(bucket), open_stores)
+    save_blocks(writer, ids)
+    assert writer.flush(timeout=20)
+    store, breaker = tripped_store(bucket, open_stores)
+    assert wait_until(lambda: breaker.state.value == "half_open")
+    real = CodecProcesses.submit_batch
+
+    def broken(self: CodecProcesses, jobs: Any, done: Any) -> bool:
+        raise RuntimeError("the sender is gone")
+
+    monkeypatch.setattr(CodecProcesses, "submit_batch", broken)
+    store.prefetch(ids)
+    assert wait_until(lambda: store.stats().get("prefetch_failed", 0) == 1)
+    assert not store._fetching
+    free = store.staging.allocate_many(NBYTES, 64)
+    assert len(free) == 64  # NOTE: the slot came back: the whole budget is there
+    store.staging.release_many(free)
+    monkeypatch.setattr(CodecProcesses, "submit_batch", real)
+    store.prefetch(ids)  # NOTE: the probe was withdrawn, so it is admitted again
+    assert store.wait_staged(ids, timeout=20) == 1
+    assert breaker.healthy
+
+
+def test_a_process_that_sends_garbage_is_stopped_and_the_others_go_on(
+    bucket: Path, open_stores: list[KVStore], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from s3kv.offload import processes
+
+    ids = keys(8, salt=18)
+    writer = open_store(file_config(bucket), open_stores)
+    save_blocks(writer, ids)
+    assert writer.flush(timeout=20)
+    reader = open_store(file_config(bucket), open_stores)
+    offload = reader._offload
+    assert offload is not None
+    assert offload.wait_ready(20) == 2
+    real_loads = processes.pickle.loads
+    garbled = [0]
+
+    def loads(data: bytes) -> Any:
+        message = real_loads(data)
+        if isinstance(message, list) and not garbled[0]:
+            garbled[0] += 1
+            raise ValueError("garbled")
+        return message
+
+    monkeypatch.setattr(processes.pickle, "loads", loads)
+    reader.prefetch(ids)
+    assert wait_until(lambda: offload.alive == 1)
+    assert wait_until(lambda: not reader._fetching)
+    failed = reader.stats().get("prefetch_failed", 0)
+    assert failed >= 1
+    assert reader.stats()["prefetch_staged"] + failed == len(ids)
+    reader.prefetch(ids)
+    assert reader.wait_staged(ids, timeout=20) == len(ids)
+
+
+def test_staging_that_is_not_an_arena_is_fetched_in_this_process(
+    bucket: Path, open_stores: list[KVStore]
+) -> None:
+    ids = keys(4, salt=19)
+    writer = open_store(file_config(bucket), open_stores)
+    save_blocks(writer, ids)
+    assert writer.flush(timeout=20)
+    reader = open_store(file_config(bucket), open_stores, allocator=NumpyAllocator())
+    assert reader.save_arena(NBYTES, 4 * NBYTES) is not None  # NOTE: an arena, not staging's
+    reader.prefetch(ids)
     assert reader.wait_staged(ids, timeout=20) == len(ids)
     for i, key in enumerate(ids):
         assert np.array_equal(reader.staged(key), block_bytes(i))  # type: ignore[arg-type]

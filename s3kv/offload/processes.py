@@ -11,10 +11,10 @@ slots of shared memory (:class:`~s3kv.arena.SlabArena`) the store's process maps
 Costs here, per block: one tuple into a list (:meth:`CodecProcesses.submit`, from any
 thread), a share of one pickled message each way, and its share of one callback on the
 reader thread. Jobs and outcomes are batched per message. One reader thread serves every
-process: each time it wakes it reads every message that has arrived, from all of them, and
-the outcomes of a batch submitted together (:meth:`CodecProcesses.submit_batch`) reach
-their callback together, once per wake-up. So the busier the processes, the more outcomes
-the engine's interpreter handles per pass, and no thread per process competes for its GIL.
+process: each time it wakes it reads one message from every process that has one, and the
+outcomes of a batch submitted together (:meth:`CodecProcesses.submit_batch`) reach their
+callback together, once per wake-up. So the busier the processes, the more outcomes the
+engine's interpreter handles per pass, and no thread per process competes for its GIL.
 
 Safety: a slot given to a job is written (or read) by that job's process until its outcome
 arrives, so the caller must not reuse it before. When a process dies, its outstanding jobs
@@ -132,7 +132,7 @@ class CodecProcesses:
         # setup, so every one of them inherits the mask.
         message = pickle.dumps(setup, pickle.HIGHEST_PROTOCOL)
         for child in self._children:
-            with contextlib.suppress(OSError):  # NOTE: its reader sees it died
+            with contextlib.suppress(OSError):  # NOTE: the reader sees it died
                 child.conn.send_bytes(message)
         self._funerals: list[threading.Thread] = []  # NOTE: each waits for a process's exit
         self._reader = threading.Thread(target=self._read_loop, name=f"{name}-read", daemon=True)
@@ -202,7 +202,8 @@ class CodecProcesses:
     # --- jobs ---
 
     def submit(self, job: Job, done: Done) -> bool:
-        """Queue ``job``; ``done(outcome)`` runs later on the reader thread, exactly once.
+        """Queue ``job``; ``done(outcome)`` runs later, exactly once: on the reader thread, or
+        (the job of a process that died) on the thread that saw it exit.
 
         Returns ``False`` (and never calls ``done``) when closing or no process is alive.
         ``done`` must not raise and must not call back into this object's :meth:`close`.
@@ -221,10 +222,12 @@ class CodecProcesses:
     def submit_batch(self, jobs: Sequence[Job], done: BatchDone) -> bool:
         """Queue ``jobs``, spread over the live processes: one lock, one wake-up.
 
-        ``done(pairs)`` runs on the reader thread with ``(index in jobs, outcome)`` pairs:
-        every job's outcome is in exactly one call, and a call holds all of them that arrived
-        together (so, usually, many). All or nothing: ``False`` (``done`` never called) when closing
-        or no process is alive. ``done`` must not raise nor call :meth:`close`.
+        ``done(pairs)`` runs with ``(index in jobs, outcome)`` pairs, on the reader thread (or,
+        for a process that died, the thread that saw it exit; so two calls for one batch may
+        run at once, each with other indices): every job's outcome is in exactly one call,
+        and a call holds all of them that arrived together (so, usually, many). All or
+        nothing: ``False`` (``done`` never called) when closing or no process is alive.
+        ``done`` must not raise nor call :meth:`close`.
         """
         with self._lock:
             live = sorted(self._takers(), key=lambda c: len(c.pending))
@@ -251,7 +254,7 @@ class CodecProcesses:
                 try:
                     child.conn.send_bytes(pickle.dumps(batch, pickle.HIGHEST_PROTOCOL))
                 except OSError:
-                    # NOTE: its reader sees the end too and fails what is outstanding.
+                    # NOTE: the reader sees the end too; _died fails what is outstanding.
                     logger.debug("s3kv: codec process %d: send failed", child.index)
 
     def _read_loop(self) -> None:
@@ -278,16 +281,19 @@ class CodecProcesses:
         process ended when it did, else None."""
         try:
             message = pickle.loads(child.conn.recv_bytes())
-        except (EOFError, OSError, pickle.UnpicklingError):
+            if isinstance(message, tuple) and message[:1] == ("setup_failed",):
+                return f"failed to start: {message[1]}"
+            if isinstance(message, tuple) and message[:1] == ("ready",):
+                with self._lock:
+                    child.ready = True
+                return None
+            outcomes = [o for o in message if isinstance(o, Outcome)]
+        except (EOFError, OSError):
             return "exited"
-        if isinstance(message, tuple) and message[:1] == ("setup_failed",):
-            return f"failed to start: {message[1]}"
-        if isinstance(message, tuple) and message[:1] == ("ready",):
-            with self._lock:
-                child.ready = True
-            return None
+        except Exception as exc:  # NOTE: one garbled process must not stop the reader
+            return f"sent an unreadable message ({type(exc).__name__}: {exc})"
         with self._lock:
-            for outcome in message:
+            for outcome in outcomes:
                 waiter = child.pending.pop(outcome.job_id, None)
                 if waiter is not None:
                     arrived.append((waiter, outcome))
