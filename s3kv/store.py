@@ -611,8 +611,9 @@ class KVStore:
         and walks the keys on an I/O thread. With ``maybe_only`` it first cuts them to the
         leading run the manifest may hold (:meth:`count_maybe`); then it does what
         :meth:`prefetch` does (skip staged and in-flight keys, drop past
-        ``max_prefetch_queue`` outstanding fetches, one GET task per key, in order). ``keys``
-        may be lazy (a :class:`~s3kv.keys.KeyChain` view): it is hashed there.
+        ``max_prefetch_queue`` outstanding fetches, fetch in order: in batches with codec
+        processes, one I/O task per key without). ``keys`` may be lazy (a
+        :class:`~s3kv.keys.KeyChain` view): it is hashed there.
 
         Bounded: the walk keeps ``max_prefetch_queue`` fetches outstanding at most, as
         :meth:`prefetch` does, and at most 64 walks wait to start; past that ``keys`` is
