@@ -450,6 +450,23 @@ def test_a_half_open_breaker_lets_one_save_of_a_batch_probe_and_fails_the_rest(
     assert store.manifest.contains_many(ids).tolist() == [True, False, False, False]
 
 
+def saved(bucket: Path, stores: list[KVStore], n: int, *, salt: int) -> list[BlockHash]:
+    """``keys(n, salt)`` written to ``bucket`` (the i-th holds ``block_bytes(i)``)."""
+    ids = keys(n, salt=salt)
+    writer = open_store(file_config(bucket), stores)
+    save_blocks(writer, ids)
+    assert writer.flush(timeout=20)
+    return ids
+
+
+def ready_store(bucket: Path, stores: list[KVStore], **overrides: Any) -> KVStore:
+    """A store on ``bucket`` whose two codec processes are set up."""
+    store = open_store(file_config(bucket, **overrides), stores)
+    assert store._offload is not None
+    assert store._offload.wait_ready(20) == 2
+    return store
+
+
 def test_a_prefetch_goes_to_the_processes_in_batches_and_every_key_ends_once(
     bucket: Path, no_local_codec: None, open_stores: list[KVStore], monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -457,9 +474,7 @@ def test_a_prefetch_goes_to_the_processes_in_batches_and_every_key_ends_once(
     writer = open_store(file_config(bucket), open_stores)
     save_blocks(writer, ids[:-1])  # NOTE: the last key was never saved: a miss
     assert writer.flush(timeout=20)
-    reader = open_store(file_config(bucket), open_stores)
-    assert reader._offload is not None
-    assert reader._offload.wait_ready(20) == 2
+    reader = ready_store(bucket, open_stores)
     reader.quarantine.add(ids[5])
     reader.quarantine.add(ids[20])
     batches: list[int] = []
@@ -497,10 +512,7 @@ def test_a_prefetch_goes_to_the_processes_in_batches_and_every_key_ends_once(
 def test_keys_without_room_end_at_once_counted_and_the_rest_stage(
     bucket: Path, open_stores: list[KVStore]
 ) -> None:
-    ids = keys(10, salt=13)
-    writer = open_store(file_config(bucket), open_stores)
-    save_blocks(writer, ids)
-    assert writer.flush(timeout=20)
+    ids = saved(bucket, open_stores, 10, salt=13)
     reader = open_store(file_config(bucket, staging_bytes=8 * NBYTES), open_stores)
     reader.prefetch(ids[:6])
     assert reader.wait_staged(ids[:6], timeout=20) == 6
@@ -517,10 +529,7 @@ def test_keys_without_room_end_at_once_counted_and_the_rest_stage(
 def test_a_half_open_breaker_lets_one_fetch_of_a_batch_probe_and_fails_the_rest(
     bucket: Path, open_stores: list[KVStore]
 ) -> None:
-    ids = keys(4, salt=14)
-    writer = open_store(file_config(bucket), open_stores)
-    save_blocks(writer, ids)
-    assert writer.flush(timeout=20)
+    ids = saved(bucket, open_stores, 4, salt=14)
     store, breaker = tripped_store(bucket, open_stores)
     assert wait_until(lambda: breaker.state.value == "half_open")
     store.prefetch(ids)
@@ -537,14 +546,10 @@ def test_a_half_open_breaker_lets_one_fetch_of_a_batch_probe_and_fails_the_rest(
 def test_one_reader_serves_every_process_while_one_hangs_and_after_it_dies(
     bucket: Path, open_stores: list[KVStore]
 ) -> None:
-    ids = keys(16, salt=15)
-    writer = open_store(file_config(bucket), open_stores)
-    save_blocks(writer, ids)
-    assert writer.flush(timeout=20)
-    reader = open_store(file_config(bucket), open_stores)
+    ids = saved(bucket, open_stores, 16, salt=15)
+    reader = ready_store(bucket, open_stores)
     offload = reader._offload
     assert offload is not None
-    assert offload.wait_ready(20) == 2
     hung, alive = offload.pids
     os.kill(hung, signal.SIGSTOP)
     reader.prefetch(ids)
@@ -565,9 +570,7 @@ def test_a_quarantine_lifted_while_a_batch_is_handed_over_leaves_no_key_behind(
     bucket: Path, open_stores: list[KVStore], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     ids = keys(3, salt=16)
-    reader = open_store(file_config(bucket), open_stores)
-    assert reader._offload is not None
-    assert reader._offload.wait_ready(20) == 2
+    reader = ready_store(bucket, open_stores)
     asked: list[object] = []
 
     class Lifting(Quarantine[BlockHash]):
@@ -587,10 +590,7 @@ def test_a_quarantine_lifted_while_a_batch_is_handed_over_leaves_no_key_behind(
 def test_a_batch_that_cannot_be_handed_over_gives_back_its_slots_and_its_probe(
     bucket: Path, open_stores: list[KVStore], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    ids = keys(1, salt=17)
-    writer = open_store(file_config(bucket), open_stores)
-    save_blocks(writer, ids)
-    assert writer.flush(timeout=20)
+    ids = saved(bucket, open_stores, 1, salt=17)
     store, breaker = tripped_store(bucket, open_stores)
     assert wait_until(lambda: breaker.state.value == "half_open")
     real = CodecProcesses.submit_batch
@@ -616,14 +616,10 @@ def test_a_process_that_sends_garbage_is_stopped_and_the_others_go_on(
 ) -> None:
     from s3kv.offload import processes
 
-    ids = keys(8, salt=18)
-    writer = open_store(file_config(bucket), open_stores)
-    save_blocks(writer, ids)
-    assert writer.flush(timeout=20)
-    reader = open_store(file_config(bucket), open_stores)
+    ids = saved(bucket, open_stores, 8, salt=18)
+    reader = ready_store(bucket, open_stores)
     offload = reader._offload
     assert offload is not None
-    assert offload.wait_ready(20) == 2
     real_loads = processes.pickle.loads
     garbled = [0]
 
@@ -648,10 +644,7 @@ def test_a_process_that_sends_garbage_is_stopped_and_the_others_go_on(
 def test_staging_that_is_not_an_arena_is_fetched_in_this_process(
     bucket: Path, open_stores: list[KVStore]
 ) -> None:
-    ids = keys(4, salt=19)
-    writer = open_store(file_config(bucket), open_stores)
-    save_blocks(writer, ids)
-    assert writer.flush(timeout=20)
+    ids = saved(bucket, open_stores, 4, salt=19)
     reader = open_store(file_config(bucket), open_stores, allocator=NumpyAllocator())
     assert reader.save_arena(NBYTES, 4 * NBYTES) is not None  # NOTE: an arena, not staging's
     reader.prefetch(ids)
