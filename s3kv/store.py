@@ -820,7 +820,8 @@ class KVStore:
         buffers: Sequence[HostBuffer],
         outcomes: Sequence[tuple[int, Outcome]],
     ) -> None:
-        """Some of a batch's fetches ended (on a codec process's reader thread).
+        """Some of a batch's fetches ended: on the codec processes' reader thread, on the
+        thread that saw a process exit (its jobs), or on the I/O thread (refused ones).
 
         In one pass: their requests recorded, the verified blocks inserted into staging
         under one lock, the rest's slots released, counters added once, the keys finished.

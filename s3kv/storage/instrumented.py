@@ -86,23 +86,10 @@ class InstrumentedBackend(DelegatingBackend):
         elif exc.kind not in NEUTRAL_KINDS:
             self.breaker.record_failure()
 
-    def admit(self, op: str) -> None:
-        """Ask the breaker to admit a request another process will make for this backend.
-
-        Raises:
-            CircuitOpenError: while open (counted as a failed ``op``, as a local refusal).
-        """
-        if self.breaker is None:
-            return
-        try:
-            self.breaker.before_request()
-        except StorageError as exc:
-            self._failed(op, exc)
-            raise
-
     def admit_many(self, op: str, count: int) -> int:
-        """:meth:`admit` for ``count`` requests at once: how many may be made (the first
-        ones); the refused are counted as in :meth:`admit`. Never raises."""
+        """Ask the breaker to admit ``count`` requests other processes will make for this
+        backend: how many may be made (the first ones). The refused are counted as failed
+        ``op`` requests (kind ``circuit_open``), as a local refusal is. Never raises."""
         if self.breaker is None:
             return count
         admitted = self.breaker.admit_many(count)
@@ -111,7 +98,7 @@ class InstrumentedBackend(DelegatingBackend):
         return admitted
 
     def withdraw(self) -> None:
-        """An admitted request will not be made (see :meth:`admit`)."""
+        """An admitted request will not be made (see :meth:`admit_many`)."""
         if self.breaker is not None:
             self.breaker.cancel()
 
@@ -125,7 +112,7 @@ class InstrumentedBackend(DelegatingBackend):
         sent: int = 0,
     ) -> None:
         """Count, time and report to the breaker a request made elsewhere (after
-        :meth:`admit`), exactly as if it had been made here."""
+        :meth:`admit_many`), exactly as if it had been made here."""
         self.metrics.inc("requests", op=op)
         self.metrics.observe("request_seconds", seconds, op=op)
         if error is not None:
