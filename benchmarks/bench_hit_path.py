@@ -23,6 +23,8 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import os
+import platform
 import statistics
 import sys
 import time
@@ -56,7 +58,7 @@ def emit(metric: str, value: float, unit: str, **extra: Any) -> None:
     sys.stdout.flush()
 
 
-class RecordingEngine:
+class NoCopyEngine:
     """A copy engine whose copies are complete at once and never run (no device, no bytes)."""
 
     defers_saves = False
@@ -99,7 +101,7 @@ class Case:
         self.block_nbytes = block_nbytes
         pool = torch.zeros((self.blocks + 2, LAYERS, 2, elems), dtype=torch.bfloat16)
         self.worker = WorkerCore(0, self.store, pool, 1 << 20, board=None)
-        self.worker._engine_for = lambda stream: RecordingEngine()  # type: ignore[method-assign]
+        self.worker._engine_for = lambda stream: NoCopyEngine()  # type: ignore[method-assign]
         self.rng = np.random.default_rng(7)
         self.request_id = 0
 
@@ -150,7 +152,8 @@ def main() -> int:
         phases = {f"{p}_ms": round(statistics.median(r[p] for r in rows) * 1e3, 3) for p in PHASES}
         totals = [sum(r.values()) * 1e3 for r in rows]
         emit("hit_path.total_ms", statistics.median(totals), "ms", tokens=n_tokens,
-             tokens_per_block=32, blocks=case.blocks, samples=samples, **phases)  # fmt: skip
+             tokens_per_block=32, blocks=case.blocks, samples=samples, **phases,
+             cores=os.cpu_count(), cpu=platform.processor() or platform.machine())  # fmt: skip
         case.store.close()
     return 0
 

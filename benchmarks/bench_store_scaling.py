@@ -229,8 +229,9 @@ def main() -> int:
                 for n in counts:
                     runs = [one(case, mode, n, root, source, data, keys)
                             for _ in range(args.repeat)]  # fmt: skip
-                    runs.sort(key=lambda got: got["seconds"])
-                    got = runs[len(runs) // 2]  # NOTE: the median run: one slow start is noise
+                    # NOTE: the median run (the faster middle one for an even count): one slow
+                    # start is noise. runs_MBps keeps the runs in the order they ran.
+                    got = sorted(runs, key=lambda r: r["seconds"])[(len(runs) - 1) // 2]
                     mbps = blocks * NBYTES / got["seconds"] / 1e6
                     base = base or mbps
                     row: dict[str, Any] = {

@@ -159,12 +159,15 @@ class SlabArena:
     # --- addressing ---
 
     def slot_of(self, buffer: HostBuffer) -> int:
-        """The slot index of a view returned by :meth:`allocate`/:meth:`view`."""
-        # NOTE: the array interface, not ``ctypes``: the store asks this per block fetched.
-        offset = int(buffer.__array_interface__["data"][0]) - self._base
-        if offset % self.slot_bytes or not 0 <= offset < self.slot_bytes * self.slots:
+        """The slot index of a view returned by :meth:`allocate`/:meth:`view`.
+
+        Raises:
+            ValueError: ``buffer`` is not exactly one slot of this arena.
+        """
+        slot = self.slot_at(buffer)
+        if slot is None:
             raise ValueError("buffer is not a slot of this arena")
-        return offset // self.slot_bytes
+        return slot
 
     def slot_at(self, buffer: HostBuffer) -> int | None:
         """The slot ``buffer`` is exactly (a whole slot, from its start, contiguous), else ``None``.

@@ -581,16 +581,19 @@ class KVStore:
             listed.extend(keys)  # NOTE: lazy keys are hashed here, not under the lock
         except KeyDerivationError as exc:  # NOTE: the keys before it still go
             malformed = exc
+        # NOTE: staging is asked before the store's lock is taken: the engine's save hook
+        # waits on that lock, and a warm start asks about thousands of keys.
+        unstaged = [key for key in listed if key not in self.staging]
         chosen: list[BlockHash] = []
         dropped = 0
         with self._lock:
             if self._closed:
                 return 0
-            for i, key in enumerate(listed):
-                if key in self._fetching or key in self.staging:
+            for i, key in enumerate(unstaged):
+                if key in self._fetching:
                     continue
                 if len(self._fetching) >= self.config.max_prefetch_queue:
-                    dropped = len(listed) - i
+                    dropped = len(unstaged) - i
                     break
                 self._fetching.add(key)
                 chosen.append(key)
@@ -698,19 +701,20 @@ class KVStore:
             except CodecError:
                 self.staging.release(buffer)
                 raise
-            self._staged(key, buffer, len(stored))
+            self._staged([(key, buffer)], len(stored))
         except (CodecError, StorageError) as exc:
             self._fetch_failed(key, object_key, exc)
         finally:
             self._fetch_done_many([key])
 
-    def _staged(self, key: BlockHash, buffer: HostBuffer, stored_len: int) -> None:
-        self.staging.insert(key, buffer)
+    def _staged(self, filled: Sequence[tuple[BlockHash, HostBuffer]], stored_bytes: int) -> None:
+        """Publish fetched, verified blocks in staging and count them."""
+        self.staging.insert_many(filled)
         self.metrics.inc_many(
             {
-                "prefetch_staged": 1,
-                "stage_raw_bytes": buffer.nbytes,
-                "stage_stored_bytes": stored_len,
+                "prefetch_staged": len(filled),
+                "stage_raw_bytes": sum(buffer.nbytes for _, buffer in filled),
+                "stage_stored_bytes": stored_bytes,
             }
         )
 
@@ -827,8 +831,8 @@ class KVStore:
         under one lock, the rest's slots released, counters added once, the keys finished.
         """
         requests: list[Recorded] = []
-        staged: list[tuple[BlockHash, HostBuffer]] = []
-        inserted: list[tuple[BlockHash, HostBuffer]] = []
+        staged: list[int] = []  # NOTE: indices of the verified blocks
+        inserted: list[int] = []
         failed: list[tuple[int, CodecError | StorageError]] = []
         not_found = stored_bytes = 0
         try:
@@ -839,26 +843,18 @@ class KVStore:
                 elif not outcome.found:
                     not_found += 1
                 else:
-                    staged.append((keys[index], buffers[index]))
+                    staged.append(index)
                     stored_bytes += outcome.stored_len
             self.backend.record_many("get", requests)
-            self.staging.insert_many(staged)
+            self._staged([(keys[i], buffers[i]) for i in staged], stored_bytes)
             inserted = staged
-            self.metrics.inc_many(
-                {
-                    "prefetch_staged": len(staged),
-                    "stage_raw_bytes": sum(buffer.nbytes for _, buffer in staged),
-                    "stage_stored_bytes": stored_bytes,
-                    "prefetch_not_found": not_found,
-                }
-            )
+            if not_found:
+                self.metrics.inc("prefetch_not_found", not_found)
             for index, exc in failed:
                 self._fetch_failed(keys[index], object_keys[index], exc)
         finally:
-            kept = {id(buffer) for _, buffer in inserted}
-            self.staging.release_many(
-                [buffers[i] for i, _ in outcomes if id(buffers[i]) not in kept]
-            )
+            kept = set(inserted)
+            self.staging.release_many([buffers[i] for i, _ in outcomes if i not in kept])
             self._fetch_done_many([keys[i] for i, _ in outcomes])
 
     def _outcome_error(

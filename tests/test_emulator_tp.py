@@ -45,9 +45,7 @@ def test_a_failing_rank_raises_with_its_traceback() -> None:
 
 def _what_the_rank_sees(rank: int, world_size: int, marker: str) -> dict[str, object]:
     import atexit
-    import os
     import sys
-    from pathlib import Path
 
     # An exit handler, as the connector's (drain saves, flush the manifest) is registered.
     atexit.register(lambda: Path(marker).write_text(str(os.getpid())))

@@ -8,7 +8,7 @@ prompt's blocks were being encoded (``benchmarks/results/``). A codec process do
 or PUT too, so block bytes never pass through the engine's process: it reads and writes
 slots of shared memory (:class:`~s3kv.arena.SlabArena`) the store's process maps too.
 
-Costs here, per block: one tuple into a list (:meth:`CodecProcesses.submit`, from any
+Costs here, per block: one tuple into a list (:meth:`CodecProcesses.submit_batch`, from any
 thread), a share of one pickled message each way, and its share of one callback on the
 reader thread. Jobs and outcomes are batched per message. One reader thread serves every
 process: each time it wakes it reads one message from every process that has one, and the
@@ -51,11 +51,10 @@ _MALLOC_THRESHOLD = 64 * 1024 * 1024
 #: Seconds :meth:`CodecProcesses.close` gives a process to exit after its socket closes.
 _EXIT_GRACE = 5.0
 
-Done = Callable[[Outcome], None]
 #: Called with ``(index in the batch, outcome)`` pairs, for some of a batch's jobs each time.
 BatchDone = Callable[[Sequence[tuple[int, Outcome]]], None]
-#: Who waits for a job: a :data:`Done` (index -1) or a :data:`BatchDone` and the job's index.
-_Waiter = tuple[Callable[..., None], int]
+#: Who waits for a job: its batch's callback and the job's index in the batch.
+_Waiter = tuple[BatchDone, int]
 
 
 @dataclass(eq=False)
@@ -200,24 +199,6 @@ class CodecProcesses:
         return [child for child in live if child.ready] or live
 
     # --- jobs ---
-
-    def submit(self, job: Job, done: Done) -> bool:
-        """Queue ``job``; ``done(outcome)`` runs later, exactly once: on the reader thread, or
-        (the job of a process that died) on the thread that saw it exit.
-
-        Returns ``False`` (and never calls ``done``) when closing or no process is alive.
-        ``done`` must not raise and must not call back into this object's :meth:`close`.
-        """
-        with self._lock:
-            live = self._takers()
-            if self._closing or not live:
-                return False
-            child = min(live, key=lambda c: len(c.pending))
-            job_id = next(self._ids)
-            child.pending[job_id] = (done, -1)
-            child.outbox.append((job_id, job))
-            self._wake.notify()
-        return True
 
     def submit_batch(self, jobs: Sequence[Job], done: BatchDone) -> bool:
         """Queue ``jobs``, spread over the live processes: one lock, one wake-up.
@@ -369,13 +350,10 @@ class CodecProcesses:
 
 
 def _deliver_all(outcomes: Sequence[tuple[_Waiter, Outcome]]) -> None:
-    """Each single job's callback with its outcome; each batch's once, with its pairs."""
-    batches: dict[int, tuple[Callable[..., None], list[tuple[int, Outcome]]]] = {}
+    """Each batch's callback once, with the pairs of its jobs among ``outcomes``."""
+    batches: dict[int, tuple[BatchDone, list[tuple[int, Outcome]]]] = {}
     for (done, index), outcome in outcomes:
-        if index < 0:
-            _call(done, outcome)
-        else:
-            batches.setdefault(id(done), (done, []))[1].append((index, outcome))
+        batches.setdefault(id(done), (done, []))[1].append((index, outcome))
     for done, pairs in batches.values():
         _call(done, pairs)
 

@@ -157,7 +157,7 @@ def _rank_context(world_size: int, backend: str) -> Any:
     limits, umask and standard streams stay the server's). NOTE: not ``fork`` from the
     caller, which may hold threads, locks, a CUDA context or a test's state.
 
-    Several ranks are spawned, each its own interpreter, as TensorRT-LLM's MPI ranks are:
+    Several ranks are spawned, each its own interpreter, as an MPI launcher starts ranks:
     forked ranks would share the server's string-hash seed, so a rank-dependent iteration
     order (sets of keys before a collective) could never show in a test. CUDA ranks (nccl)
     are spawned too, so that no import in a server can ever hold a CUDA context they inherit.
