@@ -17,6 +17,15 @@ in save buffers (the save arena's slots, or numpy buffers for threads), ``save_m
 ``flush``. Bucket: a ``file://`` directory, so a GET or PUT is a read or write syscall from
 the page cache and the codec dominates.
 
+The host's own ceiling (case ``ceiling``, run first): N processes that share nothing, each
+encoding (or decoding) its own copies of the blocks with the codec alone, no store, bucket or
+arena. Their aggregate MB/s at N over that at 1 is what the host gives N busy cores (shared
+caches and memory bandwidth, all-core clocks, vCPUs that may share physical cores); on the
+16-core host it fell short of N without any of our code involved. Rows
+``store_scaling.{encode|decode}_ceiling_MBps``; each store row then carries
+``ceiling_scaling`` (decode's for stage, encode's for save) and ``of_ceiling`` = scaling /
+ceiling_scaling, which says how much of the host's own scaling the store keeps.
+
 Rows: ``store_scaling.{stage|save}_{threads|processes}_MBps`` (raw MB/s) with
 ``scaling`` (= MB/s(N) / MB/s(1) of the same mode; the target is >= 0.8 N up to 8),
 ``engine_cpu_us_per_block`` (CPU of the store's own process per block: what the engine's
@@ -29,13 +38,14 @@ Data: synthetic bf16 KV (normal values, the exponent-plane entropy of real KV) i
 shaped like a Llama-3-8B 8-layer slice's at 32 tokens (1 MiB).
 
 Usage: ``python benchmarks/bench_store_scaling.py [--quick] [--workers 1,2,4,8,16]
-[--modes threads,processes] [--cases stage,save] [--repeat 3]``.
+[--modes threads,processes] [--cases ceiling,stage,save] [--repeat 3]``.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing
 import os
 import platform
 import shutil
@@ -46,6 +56,7 @@ from typing import Any
 
 import numpy as np
 
+from s3kv import codec
 from s3kv.arena import SlabArena
 from s3kv.config import S3KVConfig
 from s3kv.keys import ROOT_HASH, BlockHash, ModelIdentity
@@ -56,6 +67,8 @@ ELEMS = TOKENS * HEADS * HEAD_DIM
 NBYTES = LAYERS * 2 * ELEMS * 2
 SHAPE = (LAYERS, 2, TOKENS, HEADS, HEAD_DIM)
 WARMUP = 8
+#: Distinct blocks each ceiling process draws (64 MiB of its own, larger than its caches).
+CEILING_DISTINCT = 64
 
 
 def identity() -> ModelIdentity:
@@ -177,6 +190,43 @@ def one(
         shutil.rmtree(bucket, ignore_errors=True)
 
 
+def _codec_alone(kind: str, blocks: int, start: Any, ends: Any) -> None:
+    """One ceiling process: its own blocks, ``kind`` (encode or decode) of every block, timed
+    from the moment every process is ready (``start``); (start, end) goes to ``ends``."""
+    data = make_blocks(min(blocks, CEILING_DISTINCT))  # NOTE: cycled: drawing is slow
+    encoded = [codec.encode(b, key=f"k{i}", dtype="bfloat16", shape=SHAPE)
+               for i, b in enumerate(data)]  # fmt: skip
+    out = np.empty(NBYTES, np.uint8)
+    for i in range(min(WARMUP, blocks)):  # NOTE: first calls (contexts, fresh pages) untimed
+        codec.encode(data[i], key=f"k{i}", dtype="bfloat16", shape=SHAPE)
+        codec.decode(encoded[i], key=f"k{i}", out=out)
+    start.wait()
+    began = time.perf_counter()
+    for n in range(blocks):
+        i = n % len(data)
+        if kind == "encode":
+            codec.encode(data[i], key=f"k{i}", dtype="bfloat16", shape=SHAPE)
+        else:
+            codec.decode(encoded[i], key=f"k{i}", out=out)
+    ends.put((began, time.perf_counter()))
+
+
+def ceiling(kind: str, n: int, blocks: int) -> dict[str, float]:
+    """N independent processes running the codec alone; the aggregate over the span from the
+    first start to the last end (``time.perf_counter`` is one clock for every process)."""
+    context = multiprocessing.get_context("spawn")
+    start, ends = context.Barrier(n), context.Queue()
+    procs = [context.Process(target=_codec_alone, args=(kind, blocks, start, ends))
+             for _ in range(n)]  # fmt: skip
+    for proc in procs:
+        proc.start()
+    spans = [ends.get(timeout=600) for _ in procs]
+    for proc in procs:
+        proc.join()
+    seconds = max(e for _, e in spans) - min(b for b, _ in spans)
+    return {"seconds": seconds / n, "cpu": 0.0}  # NOTE: per process's share: MB/s of n x blocks
+
+
 def bucket_dir(blocks: int) -> str | None:
     """tmpfs (``/dev/shm``) when it has room: a disk or overlay filesystem's locks would
     serialize the processes' reads and writes, which is not what this measures."""
@@ -205,7 +255,9 @@ def main() -> int:
     parser.add_argument("--workers", default="1,2,4,8,16")
     parser.add_argument("--blocks", type=int, default=256)
     parser.add_argument("--modes", default="threads,processes", help="which of the two")
-    parser.add_argument("--cases", default="stage,save", help="which of the two")
+    parser.add_argument(
+        "--cases", default="ceiling,stage,save", help="the host's ceiling, stage, save"
+    )
     parser.add_argument("--repeat", type=int, default=3, help="runs per point; the median")
     args = parser.parse_args()
     cores = os.cpu_count() or 1
@@ -223,19 +275,26 @@ def main() -> int:
         source.mkdir()
         save(source, "processes", min(4, cores), data + data[:WARMUP], salt=1)
         keys = block_keys(blocks + WARMUP, salt=1)
+        ceilings: dict[tuple[str, int], float] = {}  # (case, n) -> the host's own scaling
         for case in args.cases.split(","):
-            for mode in args.modes.split(","):
+            kinds = ["decode", "encode"] if case == "ceiling" else [""]
+            modes = kinds if case == "ceiling" else args.modes.split(",")
+            for mode in modes:
                 base = 0.0
                 for n in counts:
-                    runs = [one(case, mode, n, root, source, data, keys)
-                            for _ in range(args.repeat)]  # fmt: skip
+                    if case == "ceiling":
+                        runs = [ceiling(mode, n, blocks) for _ in range(args.repeat)]
+                    else:
+                        runs = [one(case, mode, n, root, source, data, keys)
+                                for _ in range(args.repeat)]  # fmt: skip
                     # NOTE: the median run (the faster middle one for an even count): one slow
                     # start is noise. runs_MBps keeps the runs in the order they ran.
                     got = sorted(runs, key=lambda r: r["seconds"])[(len(runs) - 1) // 2]
                     mbps = blocks * NBYTES / got["seconds"] / 1e6
                     base = base or mbps
+                    name = f"{mode}_ceiling" if case == "ceiling" else f"{case}_{mode}"
                     row: dict[str, Any] = {
-                        "metric": f"store_scaling.{case}_{mode}_MBps", "value": round(mbps, 1),
+                        "metric": f"store_scaling.{name}_MBps", "value": round(mbps, 1),
                         "unit": "MB/s", "n": n, "scaling": round(mbps / base, 2),
                         "target_scaling": round(0.8 * n, 2) if n <= 8 else None,
                         "engine_cpu_us_per_block": round(got["cpu"] / blocks * 1e6, 1),
@@ -244,6 +303,12 @@ def main() -> int:
                                       for r in runs],
                         **common,
                     }  # fmt: skip
+                    if case == "ceiling":
+                        ceilings["stage" if mode == "decode" else "save", n] = mbps / base
+                        del row["engine_cpu_us_per_block"], row["cpu_per_wall"]
+                    elif (host := ceilings.get((case, n))) is not None:
+                        row["ceiling_scaling"] = round(host, 2)
+                        row["of_ceiling"] = round(mbps / base / host, 2)
                     print(json.dumps(row), flush=True)
     finally:
         shutil.rmtree(root, ignore_errors=True)

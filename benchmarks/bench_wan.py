@@ -3,17 +3,20 @@
 SeaweedFS runs in a private network namespace behind a veth shaped with ``tc tbf`` and a
 userspace delay line (``netshape.py`` says how and why). Needs root; otherwise prints one
 ``wan.skipped`` line and exits 0. For each link, (1 Gbit/s, 20 ms) and (10 Gbit/s, 10 ms),
-in this one process, against the same server and the same real SmolLM2 bf16 KV blocks
+in this one process (and its codec processes), against the same server and the same real SmolLM2 bf16 KV blocks
 (64 tokens, 1.47 MB each, cycled under distinct keys):
 
 * ``wan.rtt_measured_ms`` / ``wan.link_measured_Gbps``: a 1-byte ping and a raw bulk
   transfer (4 streams, each direction) through the same relay and veth.
-* ``wan.save_MBps``: KVStore.save (encode + PUT on the I/O pool, ``--threads`` threads) of
-  all blocks, until the last block's PUT returned (the manifest segment that ``flush`` then
-  writes is not timed: production writes it on a timer). ``wan.uncompressed_put_MBps``:
+* ``wan.save_MBps``: KVStore.save_many (encode + PUT on the I/O pool, ``--threads`` threads,
+  or in ``--codec-processes`` codec processes from the save arena, as the connector hands
+  blocks over) of all blocks, until the last block's PUT returned (the manifest segment
+  that ``flush`` then writes is not timed: production writes it on a timer). ``wan.uncompressed_put_MBps``:
   the same blocks PUT raw with the same thread count. ``wan.seed_save_MBps``:
   TensorRT-LLM's example connector's way, serially ``torch.save`` each block and PUT it.
-* ``wan.stage_MBps``: KVStore.prefetch + wait_staged (GET + verify + decode into staging).
+* ``wan.stage_MBps``: KVStore.prefetch + wait_staged (GET + verify + decode into staging;
+  with codec processes, into the staging arena). ``client_cores`` counts the codec
+  processes' CPU too.
   ``wan.uncompressed_get_MBps`` / ``wan.seed_load_MBps``: parallel raw GET / serial GET +
   ``torch.load``.
 * ``wan.save_over_uncompressed`` (target 1.3), ``wan.stage_over_uncompressed`` (1.3),
@@ -27,7 +30,9 @@ side ran with the machine's cores at least 90 % busy: then the link was not what
 (client, relay and server share this machine's cores, and other work on the machine counts);
 its ``link_util`` gives both sides' share of the link, ours first.
 
-Usage: ``sudo python benchmarks/bench_wan.py [--quick] [--threads N] [--clean]``.
+Usage: ``sudo python benchmarks/bench_wan.py [--quick] [--threads N] [--kv-file KV.npy]
+[--clean]``. ``--kv-file`` takes the KV array from a ``.npy`` that ``kv_array`` wrote (or a
+prefix of its tokens), for a machine without the model wheel; rows then name the file.
 """
 
 from __future__ import annotations
@@ -39,10 +44,11 @@ import os
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import numpy.typing as npt
 from bench_s3 import get_raw, identity, parallel, put_raw, seed_load, seed_save
 from netshape import LinkSpec, NetShapeError, ShapedS3, cpu_times, remove_stale, sigterm_as_exit
@@ -85,14 +91,21 @@ class Phase:
         }
 
 
-def measure(net: ShapedS3, raw_bytes: int, upload: bool, fn: Callable[[], object]) -> Phase:
+def measure(
+    net: ShapedS3,
+    raw_bytes: int,
+    upload: bool,
+    fn: Callable[[], object],
+    children: Sequence[int] = (),
+) -> Phase:
+    """Time ``fn``; the client's CPU counts its codec processes (``children``) too."""
     busy0, total0 = cpu_times()
     tx0, rx0 = net.wire_bytes()
-    procs0, cpu0 = net.process_cpu(), time.process_time()
+    procs0, cpu0 = net.process_cpu(), time.process_time() + pids_cpu_s(children)
     started = time.perf_counter()
     fn()
     seconds = time.perf_counter() - started
-    cpu = {"client": time.process_time() - cpu0}
+    cpu = {"client": time.process_time() + pids_cpu_s(children) - cpu0}
     cpu.update({k: v - procs0.get(k, 0.0) for k, v in net.process_cpu().items()})
     tx1, rx1 = net.wire_bytes()
     busy1, total1 = cpu_times()
@@ -103,6 +116,51 @@ def measure(net: ShapedS3, raw_bytes: int, upload: bool, fn: Callable[[], object
         cpu_busy=(busy1 - busy0) / max(total1 - total0, 1.0),
         cpu_s=cpu,
     )
+
+
+def pids_cpu_s(pids: Sequence[int]) -> float:
+    """User + system CPU seconds used so far by the processes ``pids`` (gone ones: 0)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    total = 0.0
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/stat") as fh:
+                fields = fh.read().rpartition(")")[2].split()
+        except OSError:
+            continue
+        total += (int(fields[11]) + int(fields[12])) / tick
+    return total
+
+
+def codec_pids(store: Any) -> list[int]:
+    """The store's codec processes, once every one is set up (start-up is not timed)."""
+    offload = getattr(store, "_offload", None)
+    if offload is None:
+        return []
+    offload.wait_ready(120)
+    return [child.process.pid for child in offload._children]
+
+
+def saved_from(store: Any, blocks: Sequence[npt.NDArray[Any]]) -> list[npt.NDArray[Any]]:
+    """The blocks as the engine hands them over: slots of the save arena with codec
+    processes (copied there before the timed pass, as the device copy would), else as is."""
+    arena = store.save_arena(blocks[0].nbytes, len(blocks) * blocks[0].nbytes)
+    if arena is None:
+        return list(blocks)
+    slots = []
+    for block in blocks:
+        slot = arena.allocate(block.nbytes)
+        slot[:] = block.reshape(-1).view(np.uint8)
+        slots.append(slot)
+    return slots
+
+
+def until_completed(store: Any, count: int, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while store.metrics.value("save_completed") < count:
+        if time.monotonic() > deadline:
+            raise SystemExit(f"saves did not complete in {timeout:.0f} s")
+        time.sleep(0.0005)
 
 
 class BlockPuts(DelegatingBackend):
@@ -142,6 +200,8 @@ def run_link(
     seed_rounds: int,
     threads: int,
     tag: int,
+    kv: str,
+    processes: int,
 ) -> None:
     from s3kv.config import S3KVConfig
     from s3kv.keys import ROOT_HASH, BlockHash, hash_block
@@ -161,10 +221,18 @@ def run_link(
             emit("wan.link_measured_Gbps", gbps, "Gbit/s", direction=direction, streams=4,
                  MB=round(bulk / 1e6), **where)  # fmt: skip
         cfg = S3KVConfig.load(
-            io_threads=threads, staging_bytes=2 * raw_bytes, max_inflight_save_bytes=2 * raw_bytes
-        )
+            io_threads=threads, codec_processes=processes, staging_bytes=2 * raw_bytes,
+            max_inflight_save_bytes=2 * raw_bytes,
+        )  # fmt: skip
         backend = open_backend(cfg)
         puts = BlockPuts(backend)
+        # NOTE: with codec processes, staging and save buffers are shared-memory arenas (the
+        # processes read and write them in place); without, plain numpy buffers.
+        # A store given its backend keeps the codec in its threads: with processes, each
+        # store opens its own (the processes open theirs) and saves end on their outcomes.
+        own: dict[str, Any] = {}
+        if not processes:
+            own = {"allocator": NumpyAllocator(), "backend": puts}
         best: dict[str, Phase] = {}
 
         def keep(name: str, phase: Phase) -> None:
@@ -174,29 +242,40 @@ def run_link(
         for r in range(rounds):
             label = f"wan{tag}-r{r}"
             keys = [hash_block(ROOT_HASH, [tag, r, i]) for i in range(len(blocks))]
-            store = KVStore.open(cfg, identity(label), backend=puts, allocator=NumpyAllocator())
+            store = KVStore.open(cfg, identity(label), **own)
+            sources = saved_from(store, blocks)
+            children = codec_pids(store)
 
-            def save_all(store: KVStore = store, keys: list[BlockHash] = keys) -> None:
+            def save_all(
+                store: KVStore = store,
+                keys: list[BlockHash] = keys,
+                sources: list[npt.NDArray[Any]] = sources,
+                children: list[int] = children,
+            ) -> None:
                 puts.expect(store.object_key(k) for k in keys)
-                for key, block in zip(keys, blocks, strict=True):
-                    store.save(key, ROOT_HASH, block, dtype="bfloat16", shape=block.shape)
-                if not puts.done.wait(300):
+                pairs = zip(keys, sources, strict=True)
+                batch = [(k, ROOT_HASH, source, None) for k, source in pairs]
+                store.save_many(batch, dtype="bfloat16", shape=blocks[0].shape)
+                if children:  # NOTE: the codec processes PUT: their outcomes say when
+                    until_completed(store, len(keys), 300)
+                elif not puts.done.wait(300):
                     raise SystemExit("block PUTs did not finish in 300 s")
 
-            keep("save", measure(net, raw_bytes, True, save_all))
+            keep("save", measure(net, raw_bytes, True, save_all, children))
             store.flush(timeout=300)
             completed = store.metrics.value("save_completed")
             if completed != len(blocks):
                 raise SystemExit(f"only {completed:.0f} of {len(blocks)} saves completed")
             store.close()
-            reader = KVStore.open(cfg, identity(label), backend=puts, allocator=NumpyAllocator())
+            reader = KVStore.open(cfg, identity(label), **own)
+            children = codec_pids(reader)
 
             def stage_all(reader: KVStore = reader, keys: list[BlockHash] = keys) -> None:
                 reader.prefetch(keys)
                 if reader.wait_staged(keys, timeout=300) != len(keys):
                     raise SystemExit("not every block staged")
 
-            keep("stage", measure(net, raw_bytes, False, stage_all))
+            keep("stage", measure(net, raw_bytes, False, stage_all, children))
             for key, block in zip(keys, blocks, strict=True):
                 staged = reader.staged(key)
                 if staged is None or staged.tobytes() != block.tobytes():
@@ -222,7 +301,9 @@ def run_link(
         backend.close()
 
     common = {**where, "rtt_measured_ms": round(rtt, 2), "rounds": rounds, "threads": threads,
-              "blocks": len(blocks), "block_MB": round(blocks[0].nbytes / 1e6, 3)}  # fmt: skip
+              "blocks": len(blocks), "block_MB": round(blocks[0].nbytes / 1e6, 3),
+              "distinct_blocks": len(base), "kv": kv, "cores": os.cpu_count(),
+              "codec_processes": processes}  # fmt: skip
     names = {"save": "wan.save_MBps", "put": "wan.uncompressed_put_MBps",
              "seed_save": "wan.seed_save_MBps", "stage": "wan.stage_MBps",
              "get": "wan.uncompressed_get_MBps", "seed_load": "wan.seed_load_MBps"}  # fmt: skip
@@ -241,10 +322,34 @@ def run_link(
              link_util=utils, **where, rtt_measured_ms=round(rtt, 2))  # fmt: skip
 
 
+def kv_blocks(kv_file: str) -> list[npt.NDArray[Any]]:
+    """SmolLM2's real KV in blocks of TOKENS_PER_BLOCK: from ``kv_file`` (a ``.npy`` of
+    ``[layers, 2, tokens, kv_heads, head_dim]``, as ``kv_array`` caches it), else computed."""
+    if not kv_file:
+        from s3kv.testing.smollm2 import kv_blocks as computed
+
+        return computed(tokens_per_block=TOKENS_PER_BLOCK)
+    kv = np.load(kv_file, allow_pickle=False)
+    if kv.ndim != 5 or kv.shape[2] < TOKENS_PER_BLOCK:
+        raise SystemExit(f"--kv-file: expected [layers, 2, tokens >= 64, heads, dim], got "
+                         f"{kv.shape}")  # fmt: skip
+    return [np.ascontiguousarray(kv[:, :, i : i + TOKENS_PER_BLOCK])
+            for i in range(0, kv.shape[2] - TOKENS_PER_BLOCK + 1, TOKENS_PER_BLOCK)]  # fmt: skip
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
     parser.add_argument("--quick", action="store_true", help="2 rounds, seed way once")
     parser.add_argument("--threads", type=int, default=16, help="I/O threads (both paths)")
+    parser.add_argument(
+        "--codec-processes",
+        type=int,
+        default=0,
+        help="s3kv's codec_processes (0: encode and decode on the I/O threads)",
+    )
+    parser.add_argument(
+        "--kv-file", default="", help="a .npy of SmolLM2's KV ([layers, 2, tokens, heads, dim])"
+    )
     parser.add_argument(
         "--clean", action="store_true", help="only remove what killed runs left behind"
     )
@@ -257,14 +362,13 @@ def main() -> int:
             print(f"removed {name}")
         return 0
     sigterm_as_exit()
-    from s3kv.testing.smollm2 import kv_blocks
-
-    base = kv_blocks(tokens_per_block=TOKENS_PER_BLOCK)
+    base = kv_blocks(args.kv_file)
     rounds, seed_rounds = (2, 1) if args.quick else (4, 2)
     for tag, link in enumerate(LINKS):
         try:
             run_link(link, base, rounds=rounds, seed_rounds=seed_rounds, threads=args.threads,
-                     tag=tag)  # fmt: skip
+                     tag=tag, kv=args.kv_file or "computed",
+                     processes=args.codec_processes)  # fmt: skip
         except NetShapeError as exc:
             print(json.dumps({"metric": "wan.skipped", "reason": str(exc),
                               "link_Gbps": link.gbit, "rtt_ms": link.rtt_ms}))  # fmt: skip
