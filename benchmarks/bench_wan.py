@@ -3,17 +3,18 @@
 SeaweedFS runs in a private network namespace behind a veth shaped with ``tc tbf`` and a
 userspace delay line (``netshape.py`` says how and why). Needs root; otherwise prints one
 ``wan.skipped`` line and exits 0. For each link, (1 Gbit/s, 20 ms) and (10 Gbit/s, 10 ms),
-in this one process (and its codec processes), against the same server and the same real SmolLM2 bf16 KV blocks
-(64 tokens, 1.47 MB each, cycled under distinct keys):
+in this one process (and its codec processes), against the same server and the same real
+SmolLM2 bf16 KV blocks (64 tokens, 1.47 MB each, cycled under distinct keys):
 
 * ``wan.rtt_measured_ms`` / ``wan.link_measured_Gbps``: a 1-byte ping and a raw bulk
   transfer (4 streams, each direction) through the same relay and veth.
 * ``wan.save_MBps``: KVStore.save_many (encode + PUT on the I/O pool, ``--threads`` threads,
   or in ``--codec-processes`` codec processes from the save arena, as the connector hands
   blocks over) of all blocks, until the last block's PUT returned (the manifest segment
-  that ``flush`` then writes is not timed: production writes it on a timer). ``wan.uncompressed_put_MBps``:
-  the same blocks PUT raw with the same thread count. ``wan.seed_save_MBps``:
-  TensorRT-LLM's example connector's way, serially ``torch.save`` each block and PUT it.
+  that ``flush`` then writes is not timed: production writes it on a timer).
+  ``wan.uncompressed_put_MBps``: the same blocks PUT raw with the same thread count.
+  ``wan.seed_save_MBps``: TensorRT-LLM's example connector's way, serially ``torch.save``
+  each block and PUT it.
 * ``wan.stage_MBps``: KVStore.prefetch + wait_staged (GET + verify + decode into staging;
   with codec processes, into the staging arena). ``client_cores`` counts the codec
   processes' CPU too.
