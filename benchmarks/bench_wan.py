@@ -10,14 +10,16 @@ SmolLM2 bf16 KV blocks (64 tokens, 1.47 MB each, cycled under distinct keys):
   transfer (4 streams, each direction) through the same relay and veth.
 * ``wan.save_MBps``: KVStore.save_many (encode + PUT on the I/O pool, ``--threads`` threads,
   or in ``--codec-processes`` codec processes from the save arena, as the connector hands
-  blocks over) of all blocks, until the last block's PUT returned (the manifest segment
+  blocks over) of all blocks, until the last block's PUT returned (with processes: until
+  the store has recorded the last outcome; the manifest segment
   that ``flush`` then writes is not timed: production writes it on a timer).
   ``wan.uncompressed_put_MBps``: the same blocks PUT raw with the same thread count.
   ``wan.seed_save_MBps``: TensorRT-LLM's example connector's way, serially ``torch.save``
   each block and PUT it.
 * ``wan.stage_MBps``: KVStore.prefetch + wait_staged (GET + verify + decode into staging;
   with codec processes, into the staging arena). ``client_cores`` counts the codec
-  processes' CPU too.
+  processes' CPU too (from ``/proc``, in 10 ms ticks: about half a core coarse over a
+  0.2 s phase with 8 processes).
   ``wan.uncompressed_get_MBps`` / ``wan.seed_load_MBps``: parallel raw GET / serial GET +
   ``torch.load``.
 * ``wan.save_over_uncompressed`` (target 1.3), ``wan.stage_over_uncompressed`` (1.3),
@@ -31,9 +33,10 @@ side ran with the machine's cores at least 90 % busy: then the link was not what
 (client, relay and server share this machine's cores, and other work on the machine counts);
 its ``link_util`` gives both sides' share of the link, ours first.
 
-Usage: ``sudo python benchmarks/bench_wan.py [--quick] [--threads N] [--kv-file KV.npy]
-[--clean]``. ``--kv-file`` takes the KV array from a ``.npy`` that ``kv_array`` wrote (or a
-prefix of its tokens), for a machine without the model wheel; rows then name the file.
+Usage: ``sudo python benchmarks/bench_wan.py [--quick] [--threads N] [--codec-processes N]
+[--kv-file KV.npy] [--clean]``. ``--kv-file`` takes the KV array from a ``.npy`` that
+``kv_array`` wrote (or a prefix of its tokens), for a machine without the model wheel; rows
+then name the file.
 """
 
 from __future__ import annotations
@@ -54,13 +57,17 @@ import numpy.typing as npt
 from bench_s3 import get_raw, identity, parallel, put_raw, seed_load, seed_save
 from netshape import LinkSpec, NetShapeError, ShapedS3, cpu_times, remove_stale, sigterm_as_exit
 
+from s3kv.arena import SlabArena
 from s3kv.storage import Backend, DelegatingBackend, open_backend
+from s3kv.store import KVStore
 
 LINKS = (LinkSpec(1.0, 20.0), LinkSpec(10.0, 10.0))
 #: Blocks per pass, by link (47 / 94 MB raw: 0.4 s / 0.08 s at the link's rate).
 BLOCKS = {1.0: 32, 10.0: 64}
 CPU_BOUND = 0.9
 TOKENS_PER_BLOCK = 64
+#: SmolLM2-135M's KV geometry (layers, KV heads, head dim), as ``bench_s3.identity`` says.
+SMOLLM2_KV = (30, 3, 64)
 
 
 def emit(metric: str, value: float, unit: str, **extra: Any) -> None:
@@ -133,16 +140,23 @@ def pids_cpu_s(pids: Sequence[int]) -> float:
     return total
 
 
-def codec_pids(store: Any) -> list[int]:
-    """The store's codec processes, once every one is set up (start-up is not timed)."""
-    offload = getattr(store, "_offload", None)
-    if offload is None:
+def codec_pids(store: KVStore, processes: int) -> list[int]:
+    """The store's codec processes, once every one is set up (start-up is not timed), with
+    its staging arena's pages backed as CUDA registration leaves them; none when
+    ``processes`` is 0. Exits when the store runs fewer than asked (it fell back to its
+    threads, or some did not start): the rows would be mislabelled."""
+    if not processes:
         return []
-    offload.wait_ready(120)
-    return [child.process.pid for child in offload._children]
+    offload = store._offload
+    if offload is None or offload.wait_ready(120) != processes:
+        raise SystemExit(f"--codec-processes {processes}: the store did not start them all")
+    arena = store.staging.allocator
+    if isinstance(arena, SlabArena):
+        arena.populate()
+    return offload.pids
 
 
-def saved_from(store: Any, blocks: Sequence[npt.NDArray[Any]]) -> list[npt.NDArray[Any]]:
+def saved_from(store: KVStore, blocks: Sequence[npt.NDArray[Any]]) -> list[npt.NDArray[Any]]:
     """The blocks as the engine hands them over: slots of the save arena with codec
     processes (copied there before the timed pass, as the device copy would), else as is."""
     arena = store.save_arena(blocks[0].nbytes, len(blocks) * blocks[0].nbytes)
@@ -156,12 +170,18 @@ def saved_from(store: Any, blocks: Sequence[npt.NDArray[Any]]) -> list[npt.NDArr
     return slots
 
 
-def until_completed(store: Any, count: int, timeout: float) -> None:
+def until_saved(store: KVStore, count: int, timeout: float) -> None:
+    """Wait until ``count`` saves have ended (completed, failed or found existing), polling
+    the store's counters; exit unless every one completed."""
+    ended = ("save_completed", "save_failed", "save_skipped_existing", "save_dropped")
     deadline = time.monotonic() + timeout
-    while store.metrics.value("save_completed") < count:
+    while sum(store.metrics.value(name) for name in ended) < count:
         if time.monotonic() > deadline:
-            raise SystemExit(f"saves did not complete in {timeout:.0f} s")
+            raise SystemExit(f"saves did not end in {timeout:.0f} s")
         time.sleep(0.0005)
+    completed = store.metrics.value("save_completed")
+    if completed != count:
+        raise SystemExit(f"only {completed:.0f} of {count} saves completed")
 
 
 class BlockPuts(DelegatingBackend):
@@ -207,7 +227,6 @@ def run_link(
     from s3kv.config import S3KVConfig
     from s3kv.keys import ROOT_HASH, BlockHash, hash_block
     from s3kv.staging import NumpyAllocator
-    from s3kv.store import KVStore
 
     blocks = [base[i % len(base)] for i in range(BLOCKS.get(link.gbit, 48))]
     raw_bytes = sum(b.nbytes for b in blocks)
@@ -245,7 +264,7 @@ def run_link(
             keys = [hash_block(ROOT_HASH, [tag, r, i]) for i in range(len(blocks))]
             store = KVStore.open(cfg, identity(label), **own)
             sources = saved_from(store, blocks)
-            children = codec_pids(store)
+            children = codec_pids(store, processes)
 
             def save_all(
                 store: KVStore = store,
@@ -258,7 +277,7 @@ def run_link(
                 batch = [(k, ROOT_HASH, source, None) for k, source in pairs]
                 store.save_many(batch, dtype="bfloat16", shape=blocks[0].shape)
                 if children:  # NOTE: the codec processes PUT: their outcomes say when
-                    until_completed(store, len(keys), 300)
+                    until_saved(store, len(keys), 300)
                 elif not puts.done.wait(300):
                     raise SystemExit("block PUTs did not finish in 300 s")
 
@@ -269,7 +288,7 @@ def run_link(
                 raise SystemExit(f"only {completed:.0f} of {len(blocks)} saves completed")
             store.close()
             reader = KVStore.open(cfg, identity(label), **own)
-            children = codec_pids(reader)
+            children = codec_pids(reader, processes)
 
             def stage_all(reader: KVStore = reader, keys: list[BlockHash] = keys) -> None:
                 reader.prefetch(keys)
@@ -331,9 +350,17 @@ def kv_blocks(kv_file: str) -> list[npt.NDArray[Any]]:
 
         return computed(tokens_per_block=TOKENS_PER_BLOCK)
     kv = np.load(kv_file, allow_pickle=False)
-    if kv.ndim != 5 or kv.shape[2] < TOKENS_PER_BLOCK:
-        raise SystemExit(f"--kv-file: expected [layers, 2, tokens >= 64, heads, dim], got "
-                         f"{kv.shape}")  # fmt: skip
+    layers, heads, dim = SMOLLM2_KV
+    if (
+        kv.dtype != np.uint16
+        or kv.ndim != 5
+        or (kv.shape[0], kv.shape[1], kv.shape[3], kv.shape[4]) != (layers, 2, heads, dim)
+        or kv.shape[2] < TOKENS_PER_BLOCK
+    ):
+        raise SystemExit(
+            f"--kv-file: expected uint16 bf16 bits [{layers}, 2, tokens >= {TOKENS_PER_BLOCK}, "
+            f"{heads}, {dim}] (SmolLM2's, as kv_array writes them), got {kv.dtype} {kv.shape}"
+        )
     return [np.ascontiguousarray(kv[:, :, i : i + TOKENS_PER_BLOCK])
             for i in range(0, kv.shape[2] - TOKENS_PER_BLOCK + 1, TOKENS_PER_BLOCK)]  # fmt: skip
 
