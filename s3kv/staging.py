@@ -281,6 +281,26 @@ class StagingCache:
             self._update_gauges()
             return True
 
+    def drop_unpinned(self) -> int:
+        """Drop every unpinned entry and the recycled buffers, handing their memory back to
+        the allocator; returns how many entries stay (pinned: a load may still read them).
+
+        For a closing store, so that its arena is unmapped at close. NOTE: left to the
+        garbage collector (the store's reference cycles), the 768 MiB staging arena of a
+        closed store went in a collection that took 370-394 ms under the GIL in a later
+        store's run, whose staging then fell 3-5x (16 vCPUs, ``results/*-close.jsonl``).
+        """
+        with self._lock:
+            dropped = [k for k, e in self._entries.items() if not e.pins]
+            for key in dropped:
+                buffer = self._entries.pop(key).buffer
+                self._used -= buffer.nbytes
+                self._allocator.free(buffer)
+            while self._drop_one_free_buffer():
+                pass
+            self._update_gauges()
+            return len(self._entries)
+
     # --- internals (lock held) ---
 
     def _reserve(self, nbytes: int) -> HostBuffer | _Fresh | None:

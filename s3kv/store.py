@@ -170,6 +170,17 @@ class ManifestSource:
     open: Callable[[Backend], ManifestLike]
 
 
+class _Waiter:
+    """One :meth:`KVStore.wait_staged` call: ``done`` is set once none of ``pending`` (its keys
+    that were being fetched) is any more. Changed under the store's lock."""
+
+    __slots__ = ("done", "pending")
+
+    def __init__(self, pending: set[BlockHash]) -> None:
+        self.pending = pending
+        self.done = threading.Event()
+
+
 class SaveStatus(enum.Enum):
     """What :meth:`KVStore.save` did with a block."""
 
@@ -245,8 +256,8 @@ class KVStore:
         self._lock = threading.Lock()
         self._save_space = threading.Condition(self._lock)
         self._fetching: set[BlockHash] = set()
-        #: Keys of ``_fetching`` someone waits for (:meth:`wait_staged`): set when fetched.
-        self._waiters: dict[BlockHash, threading.Event] = {}
+        #: Keys of ``_fetching`` someone waits for (:meth:`wait_staged`), with their waiters.
+        self._waiters: dict[BlockHash, list[_Waiter]] = {}
         self._walks = 0  # prefetch_many tasks queued, not yet started
         self._saving: set[BlockHash] = set()
         self._inflight_save_bytes = 0
@@ -659,16 +670,21 @@ class KVStore:
             self._log_once("key_derivation", "s3kv: prefetch stopped: %s", exc)
 
     def wait_staged(self, keys: Sequence[BlockHash], timeout: float | None = None) -> int:
-        """Wait for outstanding fetches of ``keys``; returns the leading staged count."""
-        deadline = None if timeout is None else time.monotonic() + timeout
-        for key in keys:
-            with self._lock:
-                if key not in self._fetching:
-                    continue
-                event = self._waiters.setdefault(key, threading.Event())
-            remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
-            if not event.wait(remaining):
-                break
+        """Wait up to ``timeout`` until no key of ``keys`` is being fetched; returns the
+        leading staged count.
+
+        One event and one wake-up per call, when the last of its keys ends, however many
+        there are. NOTE: an event per key woke the caller once per key: 8-13 ms of its CPU
+        for 192 keys staged by 2 codec processes, against 1-2 ms (2-core host). The warm start
+        waits so for thousands of keys, on the engine's interpreter.
+        """
+        with self._lock:
+            pending = {key for key in keys if key in self._fetching}
+            waiter = _Waiter(pending) if pending else None
+            for key in pending:
+                self._waiters.setdefault(key, []).append(waiter)  # type: ignore[arg-type]
+        if waiter is not None:
+            waiter.done.wait(timeout)  # NOTE: on a timeout its keys release it as they end
         return self.staging.count_leading(keys)
 
     def _fetch_each(self, keys: Sequence[BlockHash]) -> None:
@@ -738,9 +754,10 @@ class KVStore:
             self._fetching.difference_update(keys)
             if self._waiters:
                 for key in keys:
-                    event = self._waiters.pop(key, None)
-                    if event is not None:
-                        event.set()
+                    for waiter in self._waiters.pop(key, ()):
+                        waiter.pending.discard(key)
+                        if not waiter.pending:
+                            waiter.done.set()
 
     def _fetch_arena(self) -> SlabArena | None:
         """The staging arena, when the codec processes can decode fetched blocks into it."""
@@ -1280,6 +1297,9 @@ class KVStore:
         pool_done = self._pool.shutdown(timeout=max(0.0, deadline - time.monotonic()))
         if self._offload is not None:
             pool_done = self._offload.close(max(0.0, deadline - time.monotonic())) and pool_done
+        # NOTE: nothing stages any more: release what is staged now (pinned blocks stay, a
+        # load may still read them), so that closing the arenas unmaps them at once.
+        self.staging.drop_unpinned()
         for arena in self._own_arenas:
             arena.close()  # NOTE: the memory lives on while staged views still use it
         self.manifest.close(flush=True, timeout=max(0.0, deadline - time.monotonic()))

@@ -157,3 +157,30 @@ def test_insert_many_keeps_the_first_of_duplicates_and_release_many_recycles() -
     assert cache.used_bytes == 400  # NOTE: the duplicate and the released are recycled
     again = cache.allocate_many(100, 2)
     assert {id(b) for b in again} == {id(buffers[2]), id(buffers[3])}
+
+
+class CountingAllocator(NumpyAllocator):
+    def __init__(self) -> None:
+        self.freed = 0
+
+    def free(self, buffer: np.ndarray) -> None:  # type: ignore[override]
+        self.freed += 1
+
+
+def test_drop_unpinned_frees_every_entry_and_pooled_buffer_but_the_pinned() -> None:
+    allocator = CountingAllocator()
+    metrics = Metrics()
+    cache = StagingCache(1000, allocator=allocator, metrics=metrics)
+    k = keys(3)
+    for i, key in enumerate(k):
+        assert fill(cache, key, 100, i)
+    spare = cache.allocate(100)
+    assert spare is not None
+    cache.release(spare)  # NOTE: recycled into the free pool
+    assert cache.pin_leading(k[:1]) == 1
+    assert cache.drop_unpinned() == 1
+    assert [key in cache for key in k] == [True, False, False]
+    assert allocator.freed == 3
+    assert cache.used_bytes == 100
+    assert metrics.value("staging_blocks") == 1
+    assert metrics.value("staging_bytes") == 100

@@ -184,6 +184,65 @@ class GatedPool(IOPool):
             self.tasks.pop(0)()  # type: ignore[operator]
 
 
+def test_one_wait_for_many_keys_ends_when_the_last_of_them_does(
+    backend: MemoryBackend, chain: list[BlockHash], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    writer = open_store(backend)
+    save_chain(writer, chain, blocks(10))
+    writer.close()
+    pool = GatedPool()
+    reader = KVStore.open(
+        config(), identity(), backend=backend, allocator=NumpyAllocator(), pool=pool,
+        start_background=False,
+    )  # fmt: skip
+    assert reader.prefetch(chain) == 10
+    while len(pool.tasks) < 10:  # NOTE: the hand-over task queues one fetch per key
+        pool.tasks.pop(0)()  # type: ignore[operator]
+    got: list[int] = []
+    waiter = threading.Thread(target=lambda: got.append(reader.wait_staged(chain, timeout=20)))
+    events: list[threading.Event] = []
+    real_event = threading.Event
+
+    def counted() -> threading.Event:
+        event = real_event()
+        if threading.current_thread() is waiter:
+            events.append(event)
+        return event
+
+    monkeypatch.setattr(threading, "Event", counted)  # NOTE: after the thread's own event
+    waiter.start()
+    assert wait_until(lambda: len(reader._waiters) == 10)
+    tasks, pool.tasks = pool.tasks, []
+    for task in reversed(tasks[1:]):  # NOTE: out of order; the first key's fetch last
+        task()  # type: ignore[operator]
+    waiter.join(0.1)
+    assert waiter.is_alive(), "one key is still being fetched"
+    tasks[0]()  # type: ignore[operator]
+    waiter.join(10)
+    assert got == [10]
+    assert not reader._waiters
+    assert len(events) == 1, "one event for the whole wait, not one per key"
+
+
+def test_a_wait_that_times_out_leaves_nothing_registered_once_its_keys_end(
+    backend: MemoryBackend, chain: list[BlockHash]
+) -> None:
+    writer = open_store(backend)
+    save_chain(writer, chain, blocks(10))
+    writer.close()
+    pool = GatedPool()
+    reader = KVStore.open(
+        config(), identity(), backend=backend, allocator=NumpyAllocator(), pool=pool,
+        start_background=False,
+    )  # fmt: skip
+    assert reader.prefetch(chain) == 10
+    assert reader.wait_staged(chain, timeout=0.05) == 0
+    assert reader.wait_staged([], timeout=0.05) == 0
+    pool.run_all()
+    assert reader.wait_staged(chain, timeout=1) == 10
+    assert not reader._waiters
+
+
 def test_save_back_pressure_drops_and_counts(
     backend: MemoryBackend, chain: list[BlockHash]
 ) -> None:
