@@ -1299,8 +1299,10 @@ class KVStore:
             pool_done = self._offload.close(max(0.0, deadline - time.monotonic())) and pool_done
         # NOTE: nothing stages any more: release what is staged now (pinned blocks stay, a
         # load may still read them), so that closing the arenas unmaps them at once.
-        self.staging.drop_unpinned()
+        pinned = self.staging.drop_unpinned()
         for arena in self._own_arenas:
+            if pinned and arena is self.staging.allocator:
+                continue  # NOTE: stays mapped and page-locked while a device copy may read it
             arena.close()  # NOTE: the memory lives on while staged views still use it
         self.manifest.close(flush=True, timeout=max(0.0, deadline - time.monotonic()))
         with self._lock:
