@@ -184,9 +184,10 @@ class GatedPool(IOPool):
             self.tasks.pop(0)()  # type: ignore[operator]
 
 
-def test_one_wait_for_many_keys_ends_when_the_last_of_them_does(
-    backend: MemoryBackend, chain: list[BlockHash], monkeypatch: pytest.MonkeyPatch
-) -> None:
+def prefetching_reader(
+    backend: MemoryBackend, chain: list[BlockHash]
+) -> tuple[KVStore, GatedPool]:
+    """``chain`` (10 blocks) saved, and a new store's prefetch of it queued, not yet run."""
     writer = open_store(backend)
     save_chain(writer, chain, blocks(10))
     writer.close()
@@ -196,6 +197,13 @@ def test_one_wait_for_many_keys_ends_when_the_last_of_them_does(
         start_background=False,
     )  # fmt: skip
     assert reader.prefetch(chain) == 10
+    return reader, pool
+
+
+def test_one_wait_for_many_keys_ends_when_the_last_of_them_does(
+    backend: MemoryBackend, chain: list[BlockHash], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    reader, pool = prefetching_reader(backend, chain)
     assert len(pool.tasks) == 10  # NOTE: one fetch per key, none run yet
     got: list[int] = []
     waiter = threading.Thread(target=lambda: got.append(reader.wait_staged(chain, timeout=20)))
@@ -226,15 +234,7 @@ def test_one_wait_for_many_keys_ends_when_the_last_of_them_does(
 def test_a_wait_that_times_out_leaves_nothing_registered_once_its_keys_end(
     backend: MemoryBackend, chain: list[BlockHash]
 ) -> None:
-    writer = open_store(backend)
-    save_chain(writer, chain, blocks(10))
-    writer.close()
-    pool = GatedPool()
-    reader = KVStore.open(
-        config(), identity(), backend=backend, allocator=NumpyAllocator(), pool=pool,
-        start_background=False,
-    )  # fmt: skip
-    assert reader.prefetch(chain) == 10
+    reader, pool = prefetching_reader(backend, chain)
     assert reader.wait_staged(chain, timeout=0.05) == 0
     assert reader.wait_staged([], timeout=0.05) == 0
     pool.run_all()
