@@ -184,9 +184,7 @@ class GatedPool(IOPool):
             self.tasks.pop(0)()  # type: ignore[operator]
 
 
-def prefetching_reader(
-    backend: MemoryBackend, chain: list[BlockHash]
-) -> tuple[KVStore, GatedPool]:
+def prefetching_reader(backend: MemoryBackend, chain: list[BlockHash]) -> tuple[KVStore, GatedPool]:
     """``chain`` (10 blocks) saved, and a new store's prefetch of it queued, not yet run."""
     writer = open_store(backend)
     save_chain(writer, chain, blocks(10))
