@@ -9,8 +9,10 @@ medians of 12 after 3 warm-ups):
 * ``gpu.copy_order.bulk_ms`` — ``blocks`` one-MiB copies (one per block, as from scattered
   pool blocks) and the same bytes as one copy (``contiguous``): GPU time.
 * ``gpu.copy_order.token_wait_ms`` — host time to read 16 tokens back: alone; queued after
-  the blocks (per-block or one copy, a high-priority side stream); and after 20 matmuls with
-  and without the blocks queued behind the matmuls.
+  the blocks (per-block or one copy, a high-priority side stream); after 20 matmuls with
+  and without the blocks queued behind the matmuls; and as the worker issues saves, after
+  the token copy was queued, with the blocks ordered after the matmuls' event
+  (``blocks_after: forward``) or after the token copy as well (``token``).
 
 Usage: ``python benchmarks/gpu_copy_order.py [--blocks 254]`` (needs CUDA).
 """
@@ -73,6 +75,36 @@ def main() -> int:
         torch.cuda.synchronize()
         return statistics.median(waits[3:])
 
+    host_tokens = torch.empty(16, dtype=tokens.dtype, pin_memory=True)
+
+    def token_wait_issued_after(order: str) -> float:
+        """The worker's sequence: a forward (20 matmuls), its event, the sampler (an argmax
+        and the token copy) queued, then the blocks queued on the side stream, ordered after
+        the ``forward`` event only or after the ``token`` copy too; host time until the
+        tokens are in."""
+        waits = []
+        for _ in range(15):
+            torch.cuda.synchronize()
+            for _ in range(20):
+                x @ x
+            forward = torch.cuda.Event()
+            forward.record()
+            picked = torch.argmax(x[:16], dim=1)  # the sampler's kernels, after the forward
+            host_tokens.copy_(picked, non_blocking=True)
+            sampled = torch.cuda.Event()
+            sampled.record()
+            main = torch.cuda.current_stream()
+            with torch.cuda.stream(low):
+                low.wait_event(forward)
+                if order == "token":
+                    low.wait_stream(main)
+                torch._foreach_copy_(hosts, [pool[i] for i in range(n)], non_blocking=True)
+            started = time.perf_counter()
+            sampled.synchronize()
+            waits.append((time.perf_counter() - started) * 1e3)
+        torch.cuda.synchronize()
+        return statistics.median(waits[3:])
+
     def bulk(kind: str) -> float:
         times = []
         for _ in range(15):
@@ -98,6 +130,10 @@ def main() -> int:
          queued="20 matmuls", **common)  # fmt: skip
     emit("gpu.copy_order.token_wait_ms", token_wait("blocks", compute=True), "ms",
          queued="20 matmuls, then blocks", **common)  # fmt: skip
+    for order in ("forward", "token"):
+        emit("gpu.copy_order.token_wait_ms", token_wait_issued_after(order), "ms",
+             queued="20 matmuls, the token copy, then blocks", blocks_after=order,
+             **common)  # fmt: skip
     return 0
 
 

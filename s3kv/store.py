@@ -82,8 +82,11 @@ from s3kv.storage import (
 
 logger = logging.getLogger(__name__)
 
-#: First and largest step of :meth:`KVStore.count_maybe` (keys per filter query).
-_MAYBE_STEP = 256
+#: First and largest step of :meth:`KVStore.count_maybe` (keys per filter query). NOTE: small
+#: first: a cold prompt's walk ends at its first block, and a first step of 256 hashed and
+#: filtered a whole 8K-token prompt on an I/O thread while the engine's thread planned the
+#: same request (0.5-1.5 ms of its first iteration lost to the GIL, CPU emulator).
+_MAYBE_STEP = 16
 _MAYBE_MAX_STEP = 4096
 #: Most :meth:`KVStore.prefetch_many` walks queued at once. NOTE: walks pile up only while
 #: the scheduler's thread keeps the GIL through a burst of claims; each holds its request's
@@ -258,7 +261,8 @@ class KVStore:
         self._fetching: set[BlockHash] = set()
         #: Keys of ``_fetching`` someone waits for (:meth:`wait_staged`), with their waiters.
         self._waiters: dict[BlockHash, list[_Waiter]] = {}
-        self._walks = 0  # prefetch_many tasks queued, not yet started
+        self._walks = 0  # prefetch_many tasks queued or held, not yet started
+        self._held_walks: list[Callable[[], None]] = []  # prefetch_many(..., hold=True)
         self._saving: set[BlockHash] = set()
         self._inflight_save_bytes = 0
         self._closed = False
@@ -480,14 +484,15 @@ class KVStore:
         self.metrics.inc("lookup_blocks_maybe", maybe)
         return LookupResult(staged=staged, maybe=maybe)
 
-    def claim(self, keys: Sequence[BlockHash]) -> int:
+    def claim(self, keys: Sequence[BlockHash], *, hold_prefetch: bool = False) -> int:
         """The scheduler's claim: pin the leading staged run of ``keys``; no network.
 
         The pinned blocks are never evicted until :meth:`unpin`. The blocks behind them are
-        handed to the I/O side in one step (:meth:`prefetch_many` with ``maybe_only``), which
-        prefetches those the manifest may hold so that a later request hits; the pinned ones
-        are recorded as hits (usage for prune and warm start). ``keys`` may be a lazy
-        :class:`~s3kv.keys.KeyChain` view: only the staged run (and one step) is hashed here.
+        handed to the I/O side in one step (:meth:`prefetch_many` with ``maybe_only``, and
+        ``hold`` = ``hold_prefetch``), which prefetches those the manifest may hold so that
+        a later request hits; the pinned ones are recorded as hits (usage for prune and warm
+        start). ``keys`` may be a lazy :class:`~s3kv.keys.KeyChain` view: only the staged run
+        (and one step) is hashed here.
 
         Returns:
             How many leading blocks were pinned.
@@ -496,7 +501,7 @@ class KVStore:
         # malformed block raises before any pin is taken, never half-way through pinning.
         staged = list(keys[: self.staging.count_leading(keys)])
         pinned = self.pin_leading(staged)
-        self.prefetch_many(keys[pinned:], maybe_only=True)
+        self.prefetch_many(keys[pinned:], maybe_only=True, hold=hold_prefetch)
         self.record_hits(staged[:pinned])
         return pinned
 
@@ -618,7 +623,9 @@ class KVStore:
             raise malformed
         return len(chosen)
 
-    def prefetch_many(self, keys: Sequence[BlockHash], *, maybe_only: bool = False) -> int:
+    def prefetch_many(
+        self, keys: Sequence[BlockHash], *, maybe_only: bool = False, hold: bool = False
+    ) -> int:
         """Hand ``keys`` to the I/O side in one step; returns how many were accepted.
 
         Constant work here whatever ``len(keys)``: one task is queued at prefetch priority
@@ -634,6 +641,12 @@ class KVStore:
         dropped whole (counted in ``prefetch_dropped``). While the store is unhealthy nothing
         is queued (``prefetch_skipped_unhealthy`` counts every key: they are not filtered
         then). Nothing becomes claimable before it is staged and verified.
+
+        With ``hold`` the walk waits, counted among the 64, until :meth:`start_held_walks`:
+        the engine's thread hands walks over while it plans an iteration and starts them
+        once the iteration's forward pass is queued. A walk is a few hundred microseconds
+        of Python on an I/O thread; started at once, it took the GIL from the engine's
+        thread in the middle of planning (about 1 ms of its first iteration, CPU emulator).
         """
         total = len(keys)
         if not total:
@@ -651,11 +664,37 @@ class KVStore:
             self.metrics.inc("prefetch_dropped", total)
             return 0
         walk = functools.partial(self._walk, keys, maybe_only)
+        if hold:
+            with self._lock:
+                if not self._closed:
+                    self._held_walks.append(walk)
+                    return total
+                self._walks -= 1
+            return 0
         if not self._pool.submit(Priority.PREFETCH, walk):
             with self._lock:
                 self._walks -= 1
             return 0
         return total
+
+    def start_held_walks(self) -> int:
+        """Start the walks :meth:`prefetch_many` was asked to hold; returns how many.
+
+        Never raises: a walk the pool refuses (closing) is forgotten.
+        """
+        with self._lock:
+            walks, self._held_walks = self._held_walks, []
+        for i, walk in enumerate(walks):
+            if not self._pool.submit(Priority.PREFETCH, walk):
+                with self._lock:
+                    self._walks -= len(walks) - i
+                break
+        return len(walks)
+
+    @property
+    def held_walks(self) -> int:
+        """Walks held for :meth:`start_held_walks`."""
+        return len(self._held_walks)
 
     def _walk(self, keys: Sequence[BlockHash], maybe_only: bool) -> None:
         """The I/O side of :meth:`prefetch_many`."""
@@ -1293,6 +1332,8 @@ class KVStore:
         drained = self.flush(timeout=max(0.0, deadline - time.monotonic()))
         with self._lock:
             self._closed = True
+            self._walks -= len(self._held_walks)
+            self._held_walks = []  # NOTE: never started now; they hold requests' keys
             self._save_space.notify_all()
         pool_done = self._pool.shutdown(timeout=max(0.0, deadline - time.monotonic()))
         if self._offload is not None:

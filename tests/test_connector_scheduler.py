@@ -123,10 +123,28 @@ def test_bloom_positive_tail_is_prefetched_not_claimed() -> None:
     core = core_for(reader)
     requests_before = reader.backend.requests()
     assert core.get_num_new_matched_tokens(view(FakeRequest(1, PROMPT)), 0) == 0
-    # The claim made no request itself; the prefetch it started (inline pool here) did.
+    # The claim made no request itself, and its prefetch waits for the forward pass.
+    assert reader.metrics.value("prefetch_scheduled") == 0
+    assert core.shards is not None
+    assert core.shards.held_walks == 1
+    core.shards.start_walks()  # the worker's wait_for_save (inline pool: walked at once)
     assert reader.metrics.value("prefetch_scheduled") == 4
     assert reader.backend.requests() > requests_before
     assert core.get_num_new_matched_tokens(view(FakeRequest(2, PROMPT)), 0) == 16
+
+
+def test_a_prefetch_no_forward_pass_started_is_started_by_the_next_iteration() -> None:
+    backend = MemoryBackend()
+    put_blocks(make_store(backend), PROMPT, 4)
+    reader = make_store(backend)
+    core = core_for(reader)
+    assert core.get_num_new_matched_tokens(view(FakeRequest(1, PROMPT)), 0) == 0
+    core.build_connector_meta([], [])  # this iteration: its forward pass would start it
+    assert reader.metrics.value("prefetch_scheduled") == 0
+    core.build_connector_meta([], [])  # none ran (an empty batch): the next one starts it
+    assert reader.metrics.value("prefetch_scheduled") == 4
+    assert core.shards is not None
+    assert core.shards.held_walks == 0
 
 
 def test_salted_request_does_not_match() -> None:
@@ -471,6 +489,9 @@ def test_long_prompt_claim_hashes_one_step_and_queues_one_task(hashed: list[int]
     core = core_for(store)
     assert core.get_num_new_matched_tokens(view(FakeRequest(1, prompt)), 0) == 0
     assert sum(hashed) <= KeyChain.STEP, "hashed as far as the claim needs, not 1000 blocks"
+    assert core.shards is not None
+    assert core.shards.held_walks == 1
+    core.shards.start_walks()  # once the forward pass is queued
     assert len(pool.tasks) == 1, "the tail went to the I/O side in one step"
     pool.run_all()  # there: the rest is hashed, filtered, and every block fetched (misses)
     assert sum(hashed) == 1000

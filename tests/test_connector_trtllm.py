@@ -8,6 +8,7 @@ round trip through a fresh instance, warm start.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from types import SimpleNamespace
@@ -133,6 +134,42 @@ def test_save_then_a_fresh_instance_warms_claims_and_loads(bucket_env: str) -> N
     for src, dst in zip([3, 1, 4, 5], [0, 2, 4, 6], strict=True):
         assert torch.equal(kv_b[dst], kv_a[src])
     assert torch.count_nonzero(kv_b[7]) == 0, "the unclaimed tail block is not touched"
+
+
+def test_a_claims_prefetch_starts_once_the_forward_pass_is_queued(
+    bucket_env: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    kv_a = pool(fill=1.0)
+    scheduler, worker = instance(kv_a)
+    request = Request(1, PROMPT)
+    scheduler.get_num_new_matched_tokens(request, 0)
+    scheduler.update_state_after_alloc(request, [3, 1, 4, 5, 2])
+    step(scheduler, worker, SchedulerOutput(
+        new_requests=[RequestData(1, PROMPT, [3, 1, 4, 5, 2], 0, 17)]))  # fmt: skip
+    scheduler.request_finished(request, [3, 1, 4, 5, 2])
+    worker.get_finished([1], [])
+    process_state().close_all()
+
+    monkeypatch.setenv("TLLM_S3KV_WARM_START_BYTES", "0")  # B stages nothing at startup
+    scheduler_b, worker_b = instance(pool())
+    assert scheduler_b.core is not None
+    assert scheduler_b.core.shards is not None
+    shards = scheduler_b.core.shards
+    request_b = Request(7, PROMPT)
+    assert scheduler_b.get_num_new_matched_tokens(request_b, 0) == (0, False)
+    assert shards.held_walks == 1, "the tail's prefetch waits while the iteration is planned"
+    scheduler_b.update_state_after_alloc(request_b, [0, 2, 4, 6, 7])
+    meta = scheduler_b.build_connector_meta(SchedulerOutput(
+        new_requests=[RequestData(7, PROMPT, [0, 2, 4, 6, 7], 0, 17)]))  # fmt: skip
+    worker_b.bind_connector_meta(meta)
+    worker_b.start_load_kv(None)
+    assert shards.held_walks == 1
+    worker_b.wait_for_save(None)  # the forward pass is queued
+    assert shards.held_walks == 0
+    deadline = time.monotonic() + 30
+    while scheduler_b.get_num_new_matched_tokens(Request(8, PROMPT), 0) != (16, False):
+        assert time.monotonic() < deadline, "the tail was prefetched and staged"
+        time.sleep(0.01)
 
 
 def test_salted_request_gets_nothing_from_another_tenant(bucket_env: str) -> None:

@@ -518,7 +518,10 @@ def test_claim_hashes_a_lazy_chain_only_as_far_as_it_must(backend: MemoryBackend
     assert lazy.hashed <= KeyChain.STEP, "the claim hashed one step, not 1000 blocks"
     assert len(pool.tasks) == 1
     pool.run_all()  # the I/O side hashes as far as the manifest says "maybe", and fetches
-    assert lazy.hashed < 1000
+    # NOTE: one hashing step, not a first filter query's worth of blocks: on a cold prompt
+    # the walk would otherwise hash the prompt on an I/O thread while the engine's thread
+    # plans the same request (they share the chain and the GIL).
+    assert lazy.hashed <= KeyChain.STEP, "the walk hashed past the run the manifest holds"
     assert store.lookup(keys).staged == 3
     assert store.claim(KeyChain(tokens, 4)) == 3
 

@@ -278,8 +278,14 @@ class CudaCopyEngine:
         with torch.cuda.stream(self._side):
             if self._forward is not None:
                 self._side.wait_event(self._forward)
-            else:
-                self._side.wait_stream(self._stream(stream))
+            # NOTE: and after everything queued on the engine's stream until now, not only
+            # the forward pass: the worker issues saves at get_finished, after the sampler
+            # queued the new tokens' copy to the host on that stream. Ordered after the
+            # forward alone, the blocks' copies start as the forward ends and a copy engine
+            # serves them before the token copy that becomes ready a little later: the
+            # first token waited 3-5 ms behind a prompt's blocks on an H100
+            # (benchmarks/gpu_copy_order.py, "blocks after the forward").
+            self._side.wait_stream(self._stream(stream))
             self._copy([buffer for buffer, _ in pairs], [block for _, block in pairs])
             event = torch.cuda.Event()
             event.record(self._side)

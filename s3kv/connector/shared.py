@@ -336,14 +336,17 @@ class ShardStores:
         """Per rank ``(path, slot_bytes)`` of the staging arenas, or empty (one rank)."""
         return tuple((a.path, a.slot_bytes) for a in self._arenas)
 
-    def claim(self, keys: Sequence[BlockHash]) -> int:
+    def claim(self, keys: Sequence[BlockHash], *, hold_prefetch: bool = False) -> int:
         """Pin the leading run staged on *every* shard, prefetch the rest; no network.
+
+        With ``hold_prefetch`` the prefetch waits for :meth:`start_walks`
+        (:meth:`KVStore.prefetch_many <s3kv.store.KVStore.prefetch_many>`'s ``hold``).
 
         Returns:
             How many leading blocks were pinned (on every shard).
         """
         if len(self.stores) == 1:
-            return self.stores[0].claim(keys)
+            return self.stores[0].claim(keys, hold_prefetch=hold_prefetch)
         counts: list[int] = []
         try:
             for store in self.stores:
@@ -359,9 +362,22 @@ class ShardStores:
             store.unpin(keys[claim:count])
         # NOTE: one step per shard; each walks the tail on its I/O side (KVStore.prefetch_many)
         for store in self.stores:
-            store.prefetch_many(keys[claim:], maybe_only=True)
+            store.prefetch_many(keys[claim:], maybe_only=True, hold=hold_prefetch)
         self.record_hits(keys[:claim])
         return claim
+
+    def start_walks(self) -> None:
+        """Start the prefetch walks held by :meth:`claim` on every shard (never raises)."""
+        for store in self.stores:
+            try:
+                store.start_held_walks()
+            except Exception:  # NOTE: a lost prefetch costs a later miss, never the engine
+                logger.exception("s3kv: starting held prefetch walks failed")
+
+    @property
+    def held_walks(self) -> int:
+        """Prefetch walks held for :meth:`start_walks`, over every shard."""
+        return sum(store.held_walks for store in self.stores)
 
     def slots_many(self, keys: Sequence[BlockHash]) -> list[tuple[int, ...]]:
         """Per key, per rank, the arena slot holding its shard (empty tuples with one rank);

@@ -254,6 +254,8 @@ class S3KVConnectorWorker(WorkerBase):  # type: ignore[misc]
         self.rank = 0
         self.manager = "v1"  # "v2" once registered through register_kv_cache_layout
         self._pending_core: WorkerCore | None = None
+        #: Rank 0: starts the scheduler's held prefetch walks (after each forward pass).
+        self._start_walks: Callable[[], None] | None = None
         self._kv: Any = None
         self.config: S3KVConfig | None = None
         self.tp_size = 1
@@ -375,6 +377,7 @@ class S3KVConnectorWorker(WorkerBase):  # type: ignore[misc]
             assert self.config is not None  # an identity implies a configuration
             core = WorkerCore(0, shards_on.stores[0], self._kv, self.config.max_inflight_save_bytes)
             core.board = scheduler.core.board
+            self._start_walks = shards_on.start_walks
             scheduler.await_warm_start()
         self.core = core
 
@@ -465,9 +468,15 @@ class S3KVConnectorWorker(WorkerBase):  # type: ignore[misc]
 
     @_guarded(lambda *a, **k: None)
     def wait_for_save(self, stream: Any) -> None:
-        meta = self.get_connector_meta()
-        if self.core is not None and isinstance(meta, ConnectorMetadata):
-            self.core.save_after_forward(meta, stream)
+        try:
+            meta = self.get_connector_meta()
+            if self.core is not None and isinstance(meta, ConnectorMetadata):
+                self.core.save_after_forward(meta, stream)
+        finally:
+            # NOTE: the forward pass is queued: the scheduler's prefetch walks may now take
+            # the GIL (the engine's thread soon waits for the device).
+            if self._start_walks is not None:
+                self._start_walks()
 
     # NOTE: on failure nothing is returned: an id returned twice makes TensorRT-LLM's
     # extract_by_id raise KeyError out of the executor loop; ids not returned now are
