@@ -78,8 +78,7 @@ def worker() -> tuple[WorkerCore, DeferringEngine, Store, torch.Tensor]:
 def saves(request_id: int, blocks: list[int]) -> ConnectorMetadata:
     return ConnectorMetadata(
         saves=tuple(
-            SaveOp(request_id=request_id, block_id=b, key=bytes([request_id, b]) * 8, parent=b"")
-            for b in blocks
+            SaveOp(request_id, b, key=bytes([request_id, b]) * 8, parent=bytes(16)) for b in blocks
         )
     )
 

@@ -1,11 +1,19 @@
 """The metadata the scheduler sends to every worker each iteration (pickled, broadcast).
 
 Small by construction: only this iteration's new work, as tuples of ints and 16-byte keys.
+Saves travel column by column (:class:`SaveOps`): an 8K-token prompt's 254 saves as
+per-block objects cost the engine's thread 0.3 ms to build and 0.8 ms to pickle and unpickle
+before its forward pass (TensorRT-LLM broadcasts the metadata, and the emulated runtime
+always pickles it); as columns, tens of microseconds.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
+from typing import overload
+
+from s3kv.keys import HASH_BYTES
 
 
 @dataclass(frozen=True)
@@ -41,13 +49,123 @@ class SaveOp:
     parent: bytes
 
 
+class SaveOps(Sequence[SaveOp]):
+    """The saves of one iteration, column by column; a sequence of :class:`SaveOp`.
+
+    Pickles as two tuples of ints and two byte strings. The worker reads the columns; an
+    item or an iteration builds :class:`SaveOp` views (for tests and diagnostics).
+
+    Args:
+        request_ids: Per block, its request.
+        block_ids: Per block, its source block in the KV pool.
+        keys: The blocks' hashes, concatenated (``HASH_BYTES`` each).
+        parents: Their chain parents, concatenated likewise.
+
+    Raises:
+        ValueError: The columns disagree in length.
+    """
+
+    __slots__ = ("block_ids", "keys", "parents", "request_ids")
+
+    def __init__(
+        self,
+        request_ids: Sequence[int] = (),
+        block_ids: Sequence[int] = (),
+        keys: bytes = b"",
+        parents: bytes = b"",
+    ) -> None:
+        n = len(block_ids)
+        if len(request_ids) != n or len(keys) != n * HASH_BYTES or len(parents) != len(keys):
+            raise ValueError(
+                f"saves: {len(request_ids)} request ids, {n} block ids, {len(keys)} key bytes "
+                f"and {len(parents)} parent bytes do not describe the same blocks"
+            )
+        self.request_ids: tuple[int, ...] = tuple(request_ids)
+        self.block_ids: tuple[int, ...] = tuple(block_ids)
+        self.keys = bytes(keys)
+        self.parents = bytes(parents)
+
+    @classmethod
+    def of(cls, ops: Iterable[SaveOp]) -> SaveOps:
+        """The columns of ``ops`` (keys and parents of ``HASH_BYTES`` each)."""
+        if isinstance(ops, SaveOps):
+            return ops
+        listed = list(ops)
+        return cls(
+            [op.request_id for op in listed],
+            [op.block_id for op in listed],
+            b"".join(op.key for op in listed),
+            b"".join(op.parent for op in listed),
+        )
+
+    def key(self, index: int) -> bytes:
+        """Block ``index``'s hash."""
+        return self.keys[index * HASH_BYTES : (index + 1) * HASH_BYTES]
+
+    def parent(self, index: int) -> bytes:
+        """Block ``index``'s chain parent."""
+        return self.parents[index * HASH_BYTES : (index + 1) * HASH_BYTES]
+
+    def __len__(self) -> int:
+        return len(self.block_ids)
+
+    @overload
+    def __getitem__(self, index: int) -> SaveOp: ...
+
+    @overload
+    def __getitem__(self, index: slice) -> SaveOps: ...
+
+    def __getitem__(self, index: int | slice) -> SaveOp | SaveOps:
+        if isinstance(index, slice):
+            start, stop, step = index.indices(len(self))
+            if step != 1:
+                return SaveOps.of(self[i] for i in range(start, stop, step))
+            lo, hi = start * HASH_BYTES, max(start, stop) * HASH_BYTES
+            return SaveOps(
+                self.request_ids[start:stop],
+                self.block_ids[start:stop],
+                self.keys[lo:hi],
+                self.parents[lo:hi],
+            )
+        i = range(len(self))[index]
+        return SaveOp(self.request_ids[i], self.block_ids[i], self.key(i), self.parent(i))
+
+    def __iter__(self) -> Iterator[SaveOp]:
+        return (self[i] for i in range(len(self)))
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, SaveOps):
+            return (self.request_ids, self.block_ids, self.keys, self.parents) == (
+                other.request_ids,
+                other.block_ids,
+                other.keys,
+                other.parents,
+            )
+        if isinstance(other, Sequence) and not isinstance(other, (str, bytes)):
+            return len(other) == len(self) and all(a == b for a, b in zip(self, other, strict=True))
+        return NotImplemented
+
+    def __hash__(self) -> int:
+        return hash((self.request_ids, self.block_ids, self.keys, self.parents))
+
+    def __reduce__(self) -> tuple[type[SaveOps], tuple[object, ...]]:
+        return (SaveOps, (self.request_ids, self.block_ids, self.keys, self.parents))
+
+    def __repr__(self) -> str:
+        return f"SaveOps({len(self)} blocks of requests {sorted(set(self.request_ids))})"
+
+
+NO_SAVES = SaveOps()
+
+
 @dataclass(frozen=True)
 class ConnectorMetadata:
     """One iteration's work for the workers.
 
     Attributes:
         loads: Blocks to load in ``start_load_kv``.
-        saves: Blocks to copy out and save after the forward pass.
+        saves: Blocks to copy out and save after the forward pass (columns; a tuple of
+            :class:`SaveOp` is accepted and taken as columns).
         arenas: Per rank, the shared-memory arena path and slot size for ``LoadOp.slots``
             (empty unless tensor parallel).
         load_seq: Sequence number of this iteration's loads (0 when there are none). Each
@@ -59,11 +177,15 @@ class ConnectorMetadata:
     """
 
     loads: tuple[LoadOp, ...] = ()
-    saves: tuple[SaveOp, ...] = ()
+    saves: SaveOps = NO_SAVES
     arenas: tuple[tuple[str, int], ...] = ()
     load_seq: int = 0
     board: str = ""
     relay: str = ""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.saves, SaveOps):
+            object.__setattr__(self, "saves", SaveOps.of(self.saves))
 
 
 EMPTY = ConnectorMetadata()
@@ -73,5 +195,7 @@ __all__ = [
     "ConnectorMetadata",
     "EMPTY",
     "LoadOp",
+    "NO_SAVES",
     "SaveOp",
+    "SaveOps",
 ]

@@ -40,12 +40,15 @@ from typing import Any
 
 from s3kv.config import S3KVConfig
 from s3kv.connector.completion import CompletionBoard
-from s3kv.connector.metadata import EMPTY, ConnectorMetadata, LoadOp, SaveOp
+from s3kv.connector.metadata import EMPTY, NO_SAVES, ConnectorMetadata, LoadOp, SaveOps
 from s3kv.connector.requests import RequestView, StepReport
 from s3kv.connector.shared import ShardStores
 from s3kv.keys import ROOT_HASH, BlockHash, KeyChain
 
 logger = logging.getLogger(__name__)
+
+#: One request's planned saves: block ids, their keys and their chain parents.
+_PlannedSaves = tuple[list[int], list[bytes], list[bytes]]
 
 
 @dataclass
@@ -216,22 +219,36 @@ class SchedulerCore:
             if data.new_block_ids:
                 state.block_ids = list(data.new_block_ids)
             self._plan_loads(state)
-        saves: list[SaveOp] = []
+        request_ids: list[int] = []
+        block_ids: list[int] = []
+        keys: list[bytes] = []
+        parents: list[bytes] = []
         for data, first in [(d, True) for d in new_requests] + [(d, False) for d in cached]:
             state = self._requests.get(int(data.request_id))
             if state is None:
                 continue
             state.last_seen = self._step
             try:
-                saves.extend(self._plan_request_saves(state, data, first=first))
+                blocks, their_keys, their_parents = self._plan_request_saves(
+                    state, data, first=first
+                )
             except Exception:  # NOTE: isolated: only this request's saves are lost
                 logger.exception("s3kv: save planning failed for request %d", state.request_id)
                 state.key_inputs = None  # stop planning saves for it
                 self._metric("connector_save_planning_errors")
+                continue
+            request_ids.extend([state.request_id] * len(blocks))
+            block_ids.extend(blocks)
+            keys.extend(their_keys)
+            parents.extend(their_parents)
         self._forget_stale()
-        return self.take_metadata(saves)
+        if not block_ids:
+            return self.take_metadata()
+        return self.take_metadata(
+            SaveOps(request_ids, block_ids, b"".join(keys), b"".join(parents))
+        )
 
-    def take_metadata(self, saves: Sequence[SaveOp] = ()) -> ConnectorMetadata:
+    def take_metadata(self, saves: SaveOps = NO_SAVES) -> ConnectorMetadata:
         """The planned loads (and ``saves``) as this iteration's metadata; cannot fail.
 
         The adapter's guard calls this with no saves when :meth:`build_connector_meta`
@@ -248,11 +265,11 @@ class SchedulerCore:
         arenas = self.shards.arenas if loads and self.shards is not None else ()
         relay = self.shards.relay if saves and self.shards is not None else ""
         board = self.board.path if loads else ""
-        return ConnectorMetadata(loads, tuple(saves), arenas, seq, board, relay)
+        return ConnectorMetadata(loads, saves, arenas, seq, board, relay)
 
     def _plan_request_saves(
         self, state: _Request, data: StepReport, *, first: bool
-    ) -> list[SaveOp]:
+    ) -> _PlannedSaves:
         if first:
             valid = data.computed_position + state.connector_tokens + data.num_scheduled_tokens
             return self._plan_saves(state, valid)
@@ -279,10 +296,12 @@ class SchedulerCore:
         )
         state.loads_planned = True
 
-    def _plan_saves(self, state: _Request, valid_tokens: int) -> list[SaveOp]:
+    def _plan_saves(self, state: _Request, valid_tokens: int) -> _PlannedSaves:
+        """This request's blocks to save, full by ``valid_tokens``: their block ids, keys
+        and parents."""
         shards = self.shards
         if shards is None or not shards.healthy or state.key_inputs is None:
-            return []
+            return [], [], []
         tpb = self.tokens_per_block
         limit = valid_tokens // tpb
         if not self.config.save_decode_blocks:
@@ -292,7 +311,7 @@ class SchedulerCore:
             state.keys.extend(state.tokens[state.keys.num_tokens :])
         first = state.saved_blocks
         if limit <= first:
-            return []
+            return [], [], []
         # NOTE: the keys of these blocks and of the one before (a parent) in one call, and
         # one vectorized filter pass for them: per-block lookups cost 40-70 us each, 10-19
         # ms per 8K-token prompt on the engine's thread.
@@ -300,8 +319,10 @@ class SchedulerCore:
         keys = state.keys.keys(first - before, limit)
         present = shards.contains_many(keys[before:]).tolist()
         claim_lo, claim_hi = state.claim_start, state.claim_start + len(state.claimed)
-        block_ids, request_id = state.block_ids, state.request_id
-        ops = []
+        block_ids = state.block_ids
+        chosen: list[int] = []
+        chosen_keys: list[bytes] = []
+        chosen_parents: list[bytes] = []
         for b in range(first, limit):
             if claim_lo <= b < claim_hi or present[b - first]:
                 continue
@@ -309,11 +330,12 @@ class SchedulerCore:
             if block_id < 0:
                 continue  # BAD_PAGE_INDEX: no page (out of a sliding window)
             i = b - first + before
-            parent = keys[i - 1] if b else ROOT_HASH
-            ops.append(SaveOp(request_id, block_id, bytes(keys[i]), bytes(parent)))
+            chosen.append(block_id)
+            chosen_keys.append(keys[i])
+            chosen_parents.append(keys[i - 1] if b else ROOT_HASH)
         state.saved_blocks = limit
-        state.saves_planned += len(ops)
-        return ops
+        state.saves_planned += len(chosen)
+        return chosen, chosen_keys, chosen_parents
 
     # --- pins ---
 

@@ -46,7 +46,7 @@ from s3kv.connector.device import (
     SyncCopyEngine,
     copy_engine,
 )
-from s3kv.connector.metadata import ConnectorMetadata, LoadOp, SaveOp
+from s3kv.connector.metadata import ConnectorMetadata, LoadOp, SaveOps
 from s3kv.connector.relay import RelayedManifest
 from s3kv.keys import BlockHash
 from s3kv.store import KVStore
@@ -97,7 +97,7 @@ class _PendingCopy:
     """Device→host copies of one forward pass, waiting for their event."""
 
     event: StreamEvent
-    ops: list[SaveOp]
+    ops: SaveOps
     buffers: list[Any]
 
 
@@ -105,7 +105,7 @@ class _PendingCopy:
 class _Unissued:
     """Device→host copies of one forward pass, planned in ``wait_for_save``, not queued yet."""
 
-    ops: list[SaveOp]
+    ops: SaveOps
     buffers: list[Any]
     pairs: list[SavePair]
     stream: Any
@@ -437,7 +437,7 @@ class WorkerCore:
         if not metadata.saves:
             return
         buffers = self._buffers.acquire_many(len(metadata.saves))
-        ops = list(metadata.saves[: len(buffers)])
+        ops = metadata.saves[: len(buffers)]
         if len(ops) < len(metadata.saves):
             self.store.metrics.inc("connector_save_buffers_full", len(metadata.saves) - len(ops))
         if not ops:
@@ -448,7 +448,7 @@ class WorkerCore:
             for buffer in buffers:
                 self._buffers.release(buffer)
             raise
-        for request_id, count in Counter(op.request_id for op in ops).items():
+        for request_id, count in Counter(ops.request_ids).items():
             self._inflight[request_id] += count
         self._unissued.append(_Unissued(ops, buffers, pairs, stream))
         if not self._engine_for(stream).defers_saves:
@@ -470,35 +470,36 @@ class WorkerCore:
                 continue
             self._pending.append(_PendingCopy(event, batch.ops, batch.buffers))
 
-    def _settle(self, ops: Sequence[SaveOp]) -> None:
+    def _settle(self, ops: SaveOps) -> None:
         """These blocks' copies are over (done or lost): their requests may finish."""
-        for request_id, count in Counter(op.request_id for op in ops).items():
+        for request_id, count in Counter(ops.request_ids).items():
             self._inflight[request_id] -= count
             if not self._inflight[request_id]:
                 del self._inflight[request_id]
 
-    def _copy_pairs(self, ops: Sequence[SaveOp], buffers: Sequence[Any]) -> list[SavePair]:
+    def _copy_pairs(self, ops: SaveOps, buffers: Sequence[Any]) -> list[SavePair]:
         """(host target, device source) per copy: a run of consecutive blocks going to
         consecutive slots is one copy. NOTE: on an H100, 254 1-MiB device-to-host copies took
         6.1-9.7 ms where one copy of the same bytes took 4.9-5.0 ms, and every copy costs the
         host an enqueue (``benchmarks/gpu_copy_order.py``)."""
         slot = self._buffers.slot
+        block_ids = ops.block_ids
         pairs: list[SavePair] = []
         start = 0
-        while start < len(ops):
+        while start < len(block_ids):
             first = slot(buffers[start])
             end = start + 1
             if first is not None:
                 while (
-                    end < len(ops)
-                    and ops[end].block_id == ops[start].block_id + (end - start)
+                    end < len(block_ids)
+                    and block_ids[end] == block_ids[start] + (end - start)
                     and slot(buffers[end]) == first + (end - start)
                 ):
                     end += 1
             if end - start == 1:
-                pairs.append((buffers[start], self._view(ops[start].block_id)))
+                pairs.append((buffers[start], self._view(block_ids[start])))
             else:
-                block = ops[start].block_id
+                block = block_ids[start]
                 source = self._pool_bytes[block : block + end - start].reshape(-1)
                 pairs.append((self._buffers.span(buffers[start], end - start), source))
             start = end
@@ -516,12 +517,13 @@ class WorkerCore:
             self._settle(pending.ops)
             self._hand_to_store(pending.ops, pending.buffers)
 
-    def _hand_to_store(self, ops: Sequence[SaveOp], buffers: Sequence[Any]) -> None:
+    def _hand_to_store(self, ops: SaveOps, buffers: Sequence[Any]) -> None:
         """One forward pass's copied blocks to the store, in one call."""
         release, array = self._buffers.release, self._buffers.array
+        key, parent = ops.key, ops.parent
         blocks = [
-            (BlockHash(op.key), BlockHash(op.parent), array(buffer), partial(release, buffer))
-            for op, buffer in zip(ops, buffers, strict=True)
+            (BlockHash(key(i)), BlockHash(parent(i)), array(buffer), partial(release, buffer))
+            for i, buffer in enumerate(buffers)
         ]
         try:
             # NOTE: the scheduler planned these from one bulk filter pass (checked).
