@@ -1,0 +1,169 @@
+"""The engine thread's host time for a cold prompt (a miss that will be saved). JSON lines.
+
+A cold prompt costs the engine's thread, before its forward pass can start, the adapter's
+``request_view``, the claim (``get_num_new_matched_tokens``: nothing staged, the tail handed to
+the I/O side), ``update_state_after_alloc`` and ``build_connector_meta`` (hash every full block,
+one filter pass, the saves' metadata), and the metadata's trip to the workers (TensorRT-LLM
+broadcasts it pickled; the emulated runtime always pickles it). After the forward pass is
+queued, ``wait_for_save`` plans the device→host copies. On a GPU the pre-forward part delays
+the prefill's first kernel (``gpu.save_overhead_pct`` in ``gpu_ab.py``); here each phase is
+measured alone, on the CPU, with a copy engine that never copies. The claim's prefetch walk
+runs on the store's I/O threads, as in the engine (where it competes for the GIL).
+
+Each sample is a fresh random prompt against a manifest holding ``--manifest-keys`` other
+keys (its Bloom filter has a realistic size; no prompt block is in it). Median over samples:
+
+* ``save_path.pre_forward_ms`` (view + claim + alloc + meta + pickle), with every phase's
+  ``*_ms`` and ``wait_for_save_ms``; context: ``tokens``, ``tokens_per_block``, ``blocks``,
+  ``saves`` (blocks planned), ``metadata_bytes``.
+
+Usage: ``python benchmarks/bench_save_path.py [--quick]``. To compare two versions of the code,
+run it with each on ``PYTHONPATH`` in the same session and compare the ratios.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import pickle
+import platform
+import statistics
+import sys
+import time
+from typing import Any
+
+import numpy as np
+import torch
+from bench_hit_path import NoCopyEngine
+from bench_scheduler import BindingRequest
+
+from s3kv.config import S3KVConfig
+from s3kv.connector.api import RequestData
+from s3kv.connector.completion import CompletionBoard
+from s3kv.connector.identity import ModelIdentity
+from s3kv.connector.requests import request_view
+from s3kv.connector.scheduler import SchedulerCore
+from s3kv.connector.shared import ShardStores
+from s3kv.connector.worker import WorkerCore
+from s3kv.keys import ROOT_HASH, BlockHash
+from s3kv.pool import IOPool
+from s3kv.staging import NumpyAllocator
+from s3kv.storage import MemoryBackend
+from s3kv.store import KVStore
+
+LAYERS, KV_HEADS, HEAD_DIM = 2, 1, 8  # NOTE: tiny blocks: no copy runs; only counts matter
+PHASES = ("request_view", "claim", "alloc", "meta", "pickle", "wait_for_save")
+
+
+def emit(metric: str, value: float, unit: str, **extra: Any) -> None:
+    print(json.dumps({"metric": metric, "value": round(value, 3), "unit": unit, **extra}))
+    sys.stdout.flush()
+
+
+class DeferringNoCopyEngine(NoCopyEngine):
+    """As on CUDA, saves are planned in ``wait_for_save`` and queued by ``get_finished``."""
+
+    defers_saves = True
+
+
+class Case:
+    """One store whose manifest holds ``manifest_keys`` unrelated keys."""
+
+    def __init__(self, n_tokens: int, tpb: int, manifest_keys: int) -> None:
+        self.n_tokens, self.tpb = n_tokens, tpb
+        self.blocks = n_tokens // tpb
+        elems = KV_HEADS * tpb * HEAD_DIM
+        identity = ModelIdentity(
+            model_id="bench-save", weights_revision="r", dtype="bfloat16", kv_dtype="bfloat16",
+            quantization="none", tokens_per_block=tpb, kv_factor=2, block_elems=elems,
+            num_layers=LAYERS, layout="trtllm-v1/TRTLLM", tp_size=1, tp_rank=0,
+        )  # fmt: skip
+        self.config = S3KVConfig.load(
+            environ={}, bucket="bench-save", codec="raw", manifest_refresh_interval=0,
+            warm_start_bytes=0,
+        )  # fmt: skip
+        self.store = KVStore.open(
+            self.config, identity, backend=MemoryBackend(), allocator=NumpyAllocator(),
+            pool=IOPool(2), start_background=False,
+        )  # fmt: skip
+        rng = np.random.default_rng(11)
+        parent = ROOT_HASH
+        keys = rng.bytes(16 * manifest_keys)
+        for i in range(manifest_keys):
+            key = BlockHash(keys[16 * i : 16 * i + 16])
+            self.store.manifest.record_write(key, parent, 1)
+            parent = key
+        pool = torch.zeros((self.blocks + 2, LAYERS, 2, elems), dtype=torch.bfloat16)
+        block_nbytes = LAYERS * 2 * elems * 2
+        self.worker = WorkerCore(0, self.store, pool, (self.blocks + 1) * block_nbytes, board=None)
+        self.worker._engine_for = lambda stream: DeferringNoCopyEngine()  # type: ignore[method-assign]
+        self.rng = np.random.default_rng(7)
+        self.request_id = 0
+
+    def sample(self) -> tuple[dict[str, float], int, int]:
+        """One cold prompt; seconds per phase, saves planned, metadata bytes."""
+        tokens = [int(t) for t in self.rng.integers(0, 128_000, size=self.n_tokens + 1)]
+        core = SchedulerCore(self.config, self.tpb)
+        board = CompletionBoard.private()
+        shards = ShardStores([self.store])
+        core.attach(shards, board=board, manager="v1")
+        self.worker.board = board
+        self.request_id += 1
+        rid = self.request_id
+        request = BindingRequest(tokens, rid)
+        block_ids = [*range(1, self.blocks + 1), 0]
+        gc.collect()
+        t0 = time.perf_counter()
+        view = request_view(request)
+        t1 = time.perf_counter()
+        matched = core.get_num_new_matched_tokens(view, 0)
+        t2 = time.perf_counter()
+        core.update_state_after_alloc(rid, block_ids)
+        t3 = time.perf_counter()
+        report = RequestData(rid, tokens, block_ids, 0, len(tokens))
+        meta = core.build_connector_meta([report], [])
+        t4 = time.perf_counter()
+        wire = pickle.dumps(meta, protocol=pickle.HIGHEST_PROTOCOL)
+        meta = pickle.loads(wire)
+        t5 = time.perf_counter()
+        self.worker.save_after_forward(meta, None)
+        t6 = time.perf_counter()
+        assert matched == 0
+        start_walks = getattr(shards, "start_walks", None)
+        if start_walks is not None:
+            start_walks()  # NOTE: what wait_for_save starts on rank 0 (untimed: I/O side)
+        for batch in self.worker._unissued:  # NOTE: nothing is copied or saved here
+            for buffer in batch.buffers:
+                self.worker._buffers.release(buffer)
+        self.worker._unissued.clear()
+        self.worker._inflight.clear()
+        core.request_finished(rid)
+        time.sleep(0.01)  # NOTE: the I/O side's walk ends before the next sample
+        phases = (t1 - t0, t2 - t1, t3 - t2, t4 - t3, t5 - t4, t6 - t5)
+        return dict(zip(PHASES, phases, strict=True)), len(meta.saves), len(wire)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--quick", action="store_true", help="fewer samples")
+    parser.add_argument("--manifest-keys", type=int, default=200_000)
+    args = parser.parse_args()
+    samples = 5 if args.quick else 25
+    for n_tokens in (8192, 32768):
+        case = Case(n_tokens, 32, args.manifest_keys)
+        results = [case.sample() for _ in range(samples + 1)][1:]  # NOTE: the first warms up
+        rows = [r for r, _, _ in results]
+        phases = {f"{p}_ms": round(statistics.median(r[p] for r in rows) * 1e3, 3) for p in PHASES}
+        pre = [sum(r[p] for p in PHASES if p != "wait_for_save") * 1e3 for r in rows]
+        emit("save_path.pre_forward_ms", statistics.median(pre), "ms", tokens=n_tokens,
+             tokens_per_block=32, blocks=case.blocks, saves=results[-1][1],
+             metadata_bytes=results[-1][2], manifest_keys=args.manifest_keys, samples=samples,
+             **phases, cores=os.cpu_count(), cpu=platform.processor() or platform.machine())  # fmt: skip
+        case.store.close()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
