@@ -159,8 +159,9 @@ def main() -> int:
         pre = [sum(r[p] for p in PHASES if p != "wait_for_save") * 1e3 for r in rows]
         emit("save_path.pre_forward_ms", statistics.median(pre), "ms", tokens=n_tokens,
              tokens_per_block=32, blocks=case.blocks, saves=results[-1][1],
-             metadata_bytes=results[-1][2], manifest_keys=args.manifest_keys, samples=samples,
-             **phases, cores=os.cpu_count(), cpu=platform.processor() or platform.machine())  # fmt: skip
+             metadata_bytes=results[-1][2], manifest_keys=args.manifest_keys,
+             samples=samples, **phases, cores=os.cpu_count(),
+             cpu=platform.processor() or platform.machine())  # fmt: skip
         case.store.close()
     return 0
 
