@@ -139,17 +139,7 @@ def test_save_then_a_fresh_instance_warms_claims_and_loads(bucket_env: str) -> N
 def test_a_claims_prefetch_starts_once_the_forward_pass_is_queued(
     bucket_env: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    kv_a = pool(fill=1.0)
-    scheduler, worker = instance(kv_a)
-    request = Request(1, PROMPT)
-    scheduler.get_num_new_matched_tokens(request, 0)
-    scheduler.update_state_after_alloc(request, [3, 1, 4, 5, 2])
-    step(scheduler, worker, SchedulerOutput(
-        new_requests=[RequestData(1, PROMPT, [3, 1, 4, 5, 2], 0, 17)]))  # fmt: skip
-    scheduler.request_finished(request, [3, 1, 4, 5, 2])
-    worker.get_finished([1], [])
-    process_state().close_all()
-
+    _save_prompt(pool(fill=1.0))
     monkeypatch.setenv("TLLM_S3KV_WARM_START_BYTES", "0")  # B stages nothing at startup
     scheduler_b, worker_b = instance(pool())
     assert scheduler_b.core is not None
