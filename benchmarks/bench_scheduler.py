@@ -192,6 +192,7 @@ class Case:
             expected = self.n_tokens - self.device if self.maybe == "staged" else 0
             assert cold_tokens == repeated_tokens == expected, (cold_tokens, repeated_tokens)
             core.request_finished(self.view.request_id)
+            store.start_held_walks()  # NOTE: what wait_for_save does after the forward pass
         finally:
             store.close()  # drains the prefetches (misses) before the next sample
         return t1 - t0, t2 - t1

@@ -82,7 +82,7 @@ from s3kv.storage import (
 
 logger = logging.getLogger(__name__)
 
-#: First and largest step of :meth:`KVStore.count_maybe` (keys per filter query). NOTE: small
+#: First and largest steps of :meth:`KVStore.count_maybe` (keys per filter query). NOTE: small
 #: first: a cold prompt's walk ends at its first block, and a first step of 256 hashed and
 #: filtered a whole 8K-token prompt on an I/O thread while the engine's thread planned the
 #: same request (0.5-1.5 ms of its first iteration lost to the GIL, CPU emulator).
@@ -92,6 +92,8 @@ _MAYBE_MAX_STEP = 4096
 #: the scheduler's thread keeps the GIL through a burst of claims; each holds its request's
 #: keys (and, until hashed, its tokens) alive.
 _MAX_WALKS = 64
+#: Most walks held for :meth:`KVStore.start_held_walks`; past it they all start at once.
+_MAX_HELD_WALKS = 32
 #: Fetches handed to the codec processes per batch: the first blocks of a prompt start
 #: at once, and the store's process pays its bookkeeping per batch, not per block.
 _FETCH_BATCH = 16
@@ -261,8 +263,9 @@ class KVStore:
         self._fetching: set[BlockHash] = set()
         #: Keys of ``_fetching`` someone waits for (:meth:`wait_staged`), with their waiters.
         self._waiters: dict[BlockHash, list[_Waiter]] = {}
-        self._walks = 0  # prefetch_many tasks queued or held, not yet started
-        self._held_walks: list[Callable[[], None]] = []  # prefetch_many(..., hold=True)
+        self._walks = 0  # prefetch_many tasks queued, not yet started
+        #: Walks prefetch_many was asked to hold: (tag, keys, maybe_only).
+        self._held_walks: list[tuple[int, Sequence[BlockHash], bool]] = []
         self._saving: set[BlockHash] = set()
         self._inflight_save_bytes = 0
         self._closed = False
@@ -484,7 +487,7 @@ class KVStore:
         self.metrics.inc("lookup_blocks_maybe", maybe)
         return LookupResult(staged=staged, maybe=maybe)
 
-    def claim(self, keys: Sequence[BlockHash], *, hold_prefetch: bool = False) -> int:
+    def claim(self, keys: Sequence[BlockHash], *, hold_prefetch: int | None = None) -> int:
         """The scheduler's claim: pin the leading staged run of ``keys``; no network.
 
         The pinned blocks are never evicted until :meth:`unpin`. The blocks behind them are
@@ -624,7 +627,7 @@ class KVStore:
         return len(chosen)
 
     def prefetch_many(
-        self, keys: Sequence[BlockHash], *, maybe_only: bool = False, hold: bool = False
+        self, keys: Sequence[BlockHash], *, maybe_only: bool = False, hold: int | None = None
     ) -> int:
         """Hand ``keys`` to the I/O side in one step; returns how many were accepted.
 
@@ -642,11 +645,13 @@ class KVStore:
         is queued (``prefetch_skipped_unhealthy`` counts every key: they are not filtered
         then). Nothing becomes claimable before it is staged and verified.
 
-        With ``hold`` the walk waits, counted among the 64, until :meth:`start_held_walks`:
-        the engine's thread hands walks over while it plans an iteration and starts them
-        once the iteration's forward pass is queued. A walk is a few hundred microseconds
-        of Python on an I/O thread; started at once, it took the GIL from the engine's
-        thread in the middle of planning (about 1 ms of its first iteration, CPU emulator).
+        With ``hold`` (a tag: the scheduler's step) the walk waits for
+        :meth:`start_held_walks` instead, outside the 64: the engine's thread hands walks over
+        while it plans an iteration and starts them once the iteration's forward pass is
+        queued. A walk is a few hundred microseconds of Python on an I/O thread; started at
+        once, it took the GIL from the engine's thread in the middle of planning (about 1 ms of
+        its first iteration, CPU emulator). Past :data:`_MAX_HELD_WALKS` held walks, all of
+        them start at once (a burst of claims), within the 64 as any walk.
         """
         total = len(keys)
         if not total:
@@ -654,42 +659,49 @@ class KVStore:
         if self._breaker_open():
             self.metrics.inc("prefetch_skipped_unhealthy", total)
             return 0
+        if hold is None:
+            return total if self._start_walk(keys, maybe_only) else 0
         with self._lock:
             if self._closed:
                 return 0
+            self._held_walks.append((hold, keys, maybe_only))
+            over = len(self._held_walks) > _MAX_HELD_WALKS
+        if over:  # NOTE: a burst of claims: started now rather than dropped or piled up
+            self.start_held_walks()
+        return total
+
+    def _start_walk(self, keys: Sequence[BlockHash], maybe_only: bool) -> bool:
+        """Queue one walk within :data:`_MAX_WALKS`; whether it was queued."""
+        with self._lock:
+            if self._closed:
+                return False
             full = self._walks >= _MAX_WALKS
             if not full:
                 self._walks += 1
         if full:
-            self.metrics.inc("prefetch_dropped", total)
-            return 0
+            self.metrics.inc("prefetch_dropped", len(keys))
+            return False
         walk = functools.partial(self._walk, keys, maybe_only)
-        if hold:
-            with self._lock:
-                if not self._closed:
-                    self._held_walks.append(walk)
-                    return total
-                self._walks -= 1
-            return 0
         if not self._pool.submit(Priority.PREFETCH, walk):
             with self._lock:
                 self._walks -= 1
-            return 0
-        return total
+            return False
+        return True
 
-    def start_held_walks(self) -> int:
-        """Start the walks :meth:`prefetch_many` was asked to hold; returns how many.
+    def start_held_walks(self, before: int | None = None) -> int:
+        """Start the walks :meth:`prefetch_many` was asked to hold (only those held with a
+        tag below ``before``, if given); returns how many were queued.
 
-        Never raises: a walk the pool refuses (closing) is forgotten.
+        Never raises: a walk the queue bound or a closing pool refuses is dropped (counted in
+        ``prefetch_dropped`` when the bound refused it).
         """
         with self._lock:
-            walks, self._held_walks = self._held_walks, []
-        for i, walk in enumerate(walks):
-            if not self._pool.submit(Priority.PREFETCH, walk):
-                with self._lock:
-                    self._walks -= len(walks) - i
-                break
-        return len(walks)
+            if before is None:
+                chosen, self._held_walks = self._held_walks, []
+            else:
+                chosen = [w for w in self._held_walks if w[0] < before]
+                self._held_walks = [w for w in self._held_walks if w[0] >= before]
+        return sum(self._start_walk(keys, maybe_only) for _, keys, maybe_only in chosen)
 
     @property
     def held_walks(self) -> int:
@@ -1332,7 +1344,6 @@ class KVStore:
         drained = self.flush(timeout=max(0.0, deadline - time.monotonic()))
         with self._lock:
             self._closed = True
-            self._walks -= len(self._held_walks)
             self._held_walks = []  # NOTE: never started now; they hold requests' keys
             self._save_space.notify_all()
         pool_done = self._pool.shutdown(timeout=max(0.0, deadline - time.monotonic()))

@@ -760,7 +760,7 @@ def test_runs_of_consecutive_blocks_are_copied_once_per_run_into_consecutive_slo
 
     from s3kv.connector.completion import CompletionBoard
     from s3kv.connector.device import SyncCopyEngine
-    from s3kv.connector.metadata import ConnectorMetadata, SaveOp
+    from s3kv.connector.metadata import ConnectorMetadata, SaveOp, SaveOps
     from s3kv.connector.worker import WorkerCore
 
     copies: list[int] = []
@@ -781,7 +781,7 @@ def test_runs_of_consecutive_blocks_are_copied_once_per_run_into_consecutive_slo
         SaveOp(request_id=1, block_id=b, key=bytes(k), parent=bytes(ROOT_HASH))
         for b, k in zip(block_ids, ids, strict=True)
     )
-    core.save_after_forward(ConnectorMetadata(saves=saves))
+    core.save_after_forward(ConnectorMetadata(saves=SaveOps.of(saves)))
     core.flush()
     assert store.flush(timeout=20)
     assert copies == [3]
@@ -789,7 +789,7 @@ def test_runs_of_consecutive_blocks_are_copied_once_per_run_into_consecutive_slo
     again = keys(len(block_ids), salt=10)
     core.save_after_forward(
         ConnectorMetadata(
-            saves=tuple(
+            saves=SaveOps.of(
                 SaveOp(request_id=2, block_id=b, key=bytes(k), parent=bytes(ROOT_HASH))
                 for b, k in zip(block_ids, again, strict=True)
             )

@@ -56,9 +56,13 @@ def test_a_pickled_trip_keeps_every_block_and_is_small() -> None:
     assert len(wire) < len(as_items)
 
 
-def test_metadata_given_items_takes_them_as_columns() -> None:
-    meta = ConnectorMetadata(saves=tuple(ops(3)))
-    assert isinstance(meta.saves, SaveOps)
-    assert meta.saves.request_ids == (1, 1, 1)
+def test_columns_are_immutable_hash_as_their_items_and_index_strictly() -> None:
+    saves = SaveOps.of(ops(3))
+    assert hash(saves) == hash(tuple(ops(3)))
+    assert saves.key(-1) == key(3)
+    with pytest.raises(IndexError):
+        saves.key(3)
+    with pytest.raises(AttributeError, match="immutable"):
+        saves.block_ids = (1, 2, 3)  # type: ignore[misc]
     assert ConnectorMetadata().saves == ()
     assert not ConnectorMetadata().saves

@@ -19,7 +19,7 @@ import torch
 
 from s3kv.connector.completion import CompletionBoard
 from s3kv.connector.device import SavePair
-from s3kv.connector.metadata import ConnectorMetadata, SaveOp
+from s3kv.connector.metadata import ConnectorMetadata, SaveOp, SaveOps
 from s3kv.connector.worker import WorkerCore
 from s3kv.metrics import Metrics
 from tests.test_connector_layer_load import FakeEvent
@@ -77,7 +77,7 @@ def worker() -> tuple[WorkerCore, DeferringEngine, Store, torch.Tensor]:
 
 def saves(request_id: int, blocks: list[int]) -> ConnectorMetadata:
     return ConnectorMetadata(
-        saves=tuple(
+        saves=SaveOps.of(
             SaveOp(request_id, b, key=bytes([request_id, b]) * 8, parent=bytes(16)) for b in blocks
         )
     )

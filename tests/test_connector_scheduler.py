@@ -147,6 +147,17 @@ def test_a_prefetch_no_forward_pass_started_is_started_by_the_next_iteration() -
     assert core.shards.held_walks == 0
 
 
+def test_claims_every_iteration_without_a_forward_pass_never_pile_up_walks() -> None:
+    reader = make_store(MemoryBackend())
+    core = core_for(reader)
+    assert core.shards is not None
+    for step in range(5):  # NOTE: a request re-offered every iteration, never scheduled
+        core.get_num_new_matched_tokens(view(FakeRequest(1, PROMPT)), 0)
+        assert core.shards.held_walks == min(step + 1, 2)  # NOTE: this one and the last one
+        core.build_connector_meta([], [])
+        assert core.shards.held_walks == 1, f"step {step}: earlier iterations' walks started"
+
+
 def test_salted_request_does_not_match() -> None:
     core, _ = staged_core()
     assert core.get_num_new_matched_tokens(view(FakeRequest(1, PROMPT, cache_salt_id=7)), 0) == 0

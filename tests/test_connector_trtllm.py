@@ -136,8 +136,9 @@ def test_save_then_a_fresh_instance_warms_claims_and_loads(bucket_env: str) -> N
     assert torch.count_nonzero(kv_b[7]) == 0, "the unclaimed tail block is not touched"
 
 
+@pytest.mark.parametrize("save_fails", [False, True])
 def test_a_claims_prefetch_starts_once_the_forward_pass_is_queued(
-    bucket_env: str, monkeypatch: pytest.MonkeyPatch
+    bucket_env: str, monkeypatch: pytest.MonkeyPatch, save_fails: bool
 ) -> None:
     _save_prompt(pool(fill=1.0))
     monkeypatch.setenv("TLLM_S3KV_WARM_START_BYTES", "0")  # B stages nothing at startup
@@ -154,12 +155,19 @@ def test_a_claims_prefetch_starts_once_the_forward_pass_is_queued(
     worker_b.bind_connector_meta(meta)
     worker_b.start_load_kv(None)
     assert shards.held_walks == 1
+    if save_fails:  # NOTE: the walk still starts, and nothing raises into the engine
+        assert worker_b.core is not None
+        monkeypatch.setattr(worker_b.core, "save_after_forward", _raise_injected)
     worker_b.wait_for_save(None)  # the forward pass is queued
     assert shards.held_walks == 0
     deadline = time.monotonic() + 30
     while scheduler_b.get_num_new_matched_tokens(Request(8, PROMPT), 0) != (16, False):
         assert time.monotonic() < deadline, "the tail was prefetched and staged"
         time.sleep(0.01)
+
+
+def _raise_injected(*args: object, **kwargs: object) -> None:
+    raise RuntimeError("injected")
 
 
 def test_salted_request_gets_nothing_from_another_tenant(bucket_env: str) -> None:

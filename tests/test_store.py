@@ -474,6 +474,40 @@ def test_prefetch_many_maybe_only_stops_at_the_first_unknown_block(
     assert store.lookup(chain).staged == 3
 
 
+def test_held_walks_wait_outside_the_queue_bound_and_a_burst_starts_them(
+    chain: list[BlockHash],
+) -> None:
+    pool = GatedPool()
+    store = KVStore.open(
+        config(), identity(), backend=MemoryBackend(), allocator=NumpyAllocator(), pool=pool,
+        start_background=False,
+    )  # fmt: skip
+    for i in range(32):
+        assert store.prefetch_many(chain, hold=i) == 10
+    assert (store.held_walks, len(pool.tasks)) == (32, 0)
+    assert store.start_held_walks(before=2) == 2, "tags 0 and 1 only"
+    assert (store.held_walks, len(pool.tasks)) == (30, 2)
+    for i in range(3):  # NOTE: past 32 held, every held walk starts (a burst of claims)
+        store.prefetch_many(chain, hold=100 + i)
+    assert store.held_walks == 0
+    assert len(pool.tasks) == 35
+    assert store.metrics.value("prefetch_dropped") == 0
+
+
+def test_held_walks_are_dropped_at_close_and_never_start(chain: list[BlockHash]) -> None:
+    pool = GatedPool()
+    store = KVStore.open(
+        config(), identity(), backend=MemoryBackend(), allocator=NumpyAllocator(), pool=pool,
+        start_background=False,
+    )  # fmt: skip
+    store.prefetch_many(chain, hold=1)
+    store.close()
+    assert store.held_walks == 0
+    assert store.start_held_walks() == 0
+    assert store.prefetch_many(chain, hold=2) == 0
+    assert pool.tasks == []
+
+
 def test_prefetch_many_is_bounded_by_the_prefetch_queue(
     backend: MemoryBackend, chain: list[BlockHash]
 ) -> None:

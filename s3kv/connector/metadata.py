@@ -80,10 +80,18 @@ class SaveOps(Sequence[SaveOp]):
                 f"saves: {len(request_ids)} request ids, {n} block ids, {len(keys)} key bytes "
                 f"and {len(parents)} parent bytes do not describe the same blocks"
             )
-        self.request_ids: tuple[int, ...] = tuple(request_ids)
-        self.block_ids: tuple[int, ...] = tuple(block_ids)
-        self.keys = bytes(keys)
-        self.parents = bytes(parents)
+        object.__setattr__(self, "request_ids", tuple(request_ids))
+        object.__setattr__(self, "block_ids", tuple(block_ids))
+        object.__setattr__(self, "keys", bytes(keys))
+        object.__setattr__(self, "parents", bytes(parents))
+
+    request_ids: tuple[int, ...]
+    block_ids: tuple[int, ...]
+    keys: bytes
+    parents: bytes
+
+    def __setattr__(self, name: str, value: object) -> None:
+        raise AttributeError(f"SaveOps is immutable: cannot set {name}")
 
     @classmethod
     def of(cls, ops: Iterable[SaveOp]) -> SaveOps:
@@ -99,12 +107,14 @@ class SaveOps(Sequence[SaveOp]):
         )
 
     def key(self, index: int) -> bytes:
-        """Block ``index``'s hash."""
-        return self.keys[index * HASH_BYTES : (index + 1) * HASH_BYTES]
+        """Block ``index``'s hash (``IndexError`` out of range, negative counts from the end)."""
+        i = range(len(self))[index]
+        return self.keys[i * HASH_BYTES : (i + 1) * HASH_BYTES]
 
     def parent(self, index: int) -> bytes:
-        """Block ``index``'s chain parent."""
-        return self.parents[index * HASH_BYTES : (index + 1) * HASH_BYTES]
+        """Block ``index``'s chain parent (indexed as :meth:`key`)."""
+        i = range(len(self))[index]
+        return self.parents[i * HASH_BYTES : (i + 1) * HASH_BYTES]
 
     def __len__(self) -> int:
         return len(self.block_ids)
@@ -146,7 +156,8 @@ class SaveOps(Sequence[SaveOp]):
         return NotImplemented
 
     def __hash__(self) -> int:
-        return hash((self.request_ids, self.block_ids, self.keys, self.parents))
+        # NOTE: as the tuple of its items, which it equals (equal objects hash equal).
+        return hash(tuple(self))
 
     def __reduce__(self) -> tuple[type[SaveOps], tuple[object, ...]]:
         return (SaveOps, (self.request_ids, self.block_ids, self.keys, self.parents))
@@ -164,8 +175,8 @@ class ConnectorMetadata:
 
     Attributes:
         loads: Blocks to load in ``start_load_kv``.
-        saves: Blocks to copy out and save after the forward pass (columns; a tuple of
-            :class:`SaveOp` is accepted and taken as columns).
+        saves: Blocks to copy out and save after the forward pass, as columns
+            (:meth:`SaveOps.of` builds them from :class:`SaveOp` items).
         arenas: Per rank, the shared-memory arena path and slot size for ``LoadOp.slots``
             (empty unless tensor parallel).
         load_seq: Sequence number of this iteration's loads (0 when there are none). Each
@@ -182,10 +193,6 @@ class ConnectorMetadata:
     load_seq: int = 0
     board: str = ""
     relay: str = ""
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.saves, SaveOps):
-            object.__setattr__(self, "saves", SaveOps.of(self.saves))
 
 
 EMPTY = ConnectorMetadata()

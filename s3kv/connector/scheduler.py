@@ -103,7 +103,6 @@ class SchedulerCore:
         self._held: deque[tuple[int, list[BlockHash]]] = deque()  # (load_seq, pinned keys)
         self._load_seq = 0
         self._step = 0
-        self._walks_held_at: int | None = None  # the step whose planning held walks last
 
     def attach(self, shards: ShardStores, *, board: CompletionBoard, manager: str) -> None:
         """Start claiming and saving over ``shards`` (every worker has registered).
@@ -150,9 +149,9 @@ class SchedulerCore:
         candidates = keys[start : start + max_blocks]  # lazy: hashed as far as needed
         # NOTE: the tail's prefetch walk is held until this iteration's forward pass is
         # queued (the worker's wait_for_save starts it), so it does not take the GIL from
-        # this thread while it plans; build_connector_meta starts walks an iteration left.
-        claimed = shards.claim(candidates, hold_prefetch=True)
-        self._walks_held_at = self._step + 1
+        # this thread while it plans; tagged with this iteration's step, so that
+        # build_connector_meta can start walks an earlier iteration left.
+        claimed = shards.claim(candidates, hold_prefetch=self._step + 1)
         shards.metrics.inc("connector_requests")
         shards.metrics.inc("connector_claimed_tokens", claimed * tpb)
         shards.metrics.inc("connector_prompt_tokens", prompt_len)
@@ -206,10 +205,6 @@ class SchedulerCore:
         """
         self._step += 1
         self._release_completed()
-        held_at = self._walks_held_at
-        if held_at is not None and held_at < self._step and self.shards is not None:
-            self.shards.start_walks()  # NOTE: no forward pass started them (an empty batch)
-            self._walks_held_at = None
         for data in new_requests:
             state = self._requests.get(int(data.request_id))
             if state is None:
@@ -242,6 +237,10 @@ class SchedulerCore:
             keys.extend(their_keys)
             parents.extend(their_parents)
         self._forget_stale()
+        if self.shards is not None:
+            # NOTE: walks held in an iteration no forward pass followed (an empty batch);
+            # this iteration's own wait for its forward pass.
+            self.shards.start_walks(before=self._step)
         if not block_ids:
             return self.take_metadata()
         return self.take_metadata(

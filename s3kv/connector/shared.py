@@ -336,10 +336,10 @@ class ShardStores:
         """Per rank ``(path, slot_bytes)`` of the staging arenas, or empty (one rank)."""
         return tuple((a.path, a.slot_bytes) for a in self._arenas)
 
-    def claim(self, keys: Sequence[BlockHash], *, hold_prefetch: bool = False) -> int:
+    def claim(self, keys: Sequence[BlockHash], *, hold_prefetch: int | None = None) -> int:
         """Pin the leading run staged on *every* shard, prefetch the rest; no network.
 
-        With ``hold_prefetch`` the prefetch waits for :meth:`start_walks`
+        With ``hold_prefetch`` (a tag) the prefetch waits for :meth:`start_walks`
         (:meth:`KVStore.prefetch_many <s3kv.store.KVStore.prefetch_many>`'s ``hold``).
 
         Returns:
@@ -366,11 +366,12 @@ class ShardStores:
         self.record_hits(keys[:claim])
         return claim
 
-    def start_walks(self) -> None:
-        """Start the prefetch walks held by :meth:`claim` on every shard (never raises)."""
+    def start_walks(self, before: int | None = None) -> None:
+        """Start the prefetch walks held by :meth:`claim` on every shard, only those tagged
+        below ``before`` if given (never raises)."""
         for store in self.stores:
             try:
-                store.start_held_walks()
+                store.start_held_walks(before)
             except Exception:  # NOTE: a lost prefetch costs a later miss, never the engine
                 logger.exception("s3kv: starting held prefetch walks failed")
 

@@ -523,7 +523,7 @@ class WorkerCore:
         key, parent = ops.key, ops.parent
         blocks = [
             (BlockHash(key(i)), BlockHash(parent(i)), array(buffer), partial(release, buffer))
-            for i, buffer in enumerate(buffers)
+            for i, buffer in zip(range(len(ops)), buffers, strict=True)
         ]
         try:
             # NOTE: the scheduler planned these from one bulk filter pass (checked).
