@@ -280,11 +280,13 @@ class CudaCopyEngine:
                 self._side.wait_event(self._forward)
             # NOTE: and after everything queued on the engine's stream until now, not only
             # the forward pass: the worker issues saves at get_finished, after the sampler
-            # queued the new tokens' copy to the host on that stream. Ordered after the
-            # forward alone, the blocks' copies start as the forward ends and a copy engine
-            # serves them before the token copy that becomes ready a little later: the
-            # token waited 5.8 ms behind a prompt's 254 blocks on an H200, 0.5 ms ordered
-            # after it (benchmarks/gpu_copy_order.py, "blocks_after").
+            # queued the new tokens' copy to the host on that stream
+            # (TorchSampler.sample_async, sampler.py @ 28edbcdb: new_tokens.to("cpu",
+            # non_blocking=True) on the current stream, then sampler_event.record()).
+            # Ordered after the forward alone, the blocks' copies start as the forward ends
+            # and a copy engine serves them before the token copy that becomes ready a
+            # little later: the token waited 5.8 ms behind a prompt's 254 blocks on an
+            # H200, 0.5 ms ordered after it (benchmarks/gpu_copy_order.py, "blocks_after").
             self._side.wait_stream(self._stream(stream))
             self._copy([buffer for buffer, _ in pairs], [block for _, block in pairs])
             event = torch.cuda.Event()

@@ -474,7 +474,9 @@ class S3KVConnectorWorker(WorkerBase):  # type: ignore[misc]
                 self.core.save_after_forward(meta, stream)
         finally:
             # NOTE: the forward pass is queued: the scheduler's prefetch walks may now take
-            # the GIL (the engine's thread soon waits for the device).
+            # the GIL (the engine's thread soon waits for the device: _forward_step, then
+            # _sample_async and _update_requests' wait on the previous batch, py_executor.py
+            # @ 000439672005).
             if self._start_walks is not None:
                 self._start_walks()
 
