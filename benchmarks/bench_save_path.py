@@ -5,17 +5,21 @@ A cold prompt costs the engine's thread, before its forward pass can start, the 
 the I/O side), ``update_state_after_alloc`` and ``build_connector_meta`` (hash every full block,
 one filter pass, the saves' metadata), and the metadata's trip to the workers (TensorRT-LLM
 broadcasts it pickled; the emulated runtime always pickles it). After the forward pass is
-queued, ``wait_for_save`` plans the device→host copies. On a GPU the pre-forward part delays
-the prefill's first kernel (``gpu.save_overhead_pct`` in ``gpu_ab.py``); here each phase is
-measured alone, on the CPU, with a copy engine that never copies. The claim's prefetch walk
-runs on the store's I/O threads, as in the engine (where it competes for the GIL).
+queued, ``wait_for_save`` plans the device→host copies; once they are done, ``get_finished``
+hands the blocks to the store (the hand-off: admission, and the jobs of the I/O threads or
+of the codec processes). On a GPU the pre-forward part delays the prefill's first kernel
+(``gpu.save_overhead_pct`` in ``gpu_ab.py``) and the hand-off delays the iteration it runs
+in; here each phase is measured alone, on the CPU, with a copy engine that never copies. The
+claim's prefetch walk runs on the store's I/O threads, as in the engine (where it competes
+for the GIL).
 
 Each sample is a fresh random prompt against a manifest holding ``--manifest-keys`` other
 keys (its Bloom filter has a realistic size; no prompt block is in it). Median over samples:
 
 * ``save_path.pre_forward_ms`` (view + claim + alloc + meta + pickle), with every phase's
-  ``*_ms`` and ``wait_for_save_ms``; context: ``tokens``, ``tokens_per_block``, ``blocks``,
-  ``saves`` (blocks planned), ``metadata_bytes``.
+  ``*_ms``, ``wait_for_save_ms`` and ``hand_off_ms``; context: ``tokens``, ``tokens_per_block``,
+  ``blocks``, ``saves`` (blocks planned), ``metadata_bytes``, ``codec_processes`` (the
+  hand-off's path: 0 is the I/O threads, the default).
 
 Usage: ``python benchmarks/bench_save_path.py [--quick]``. To compare two versions of the code,
 run it with each on ``PYTHONPATH`` in the same session and compare the ratios.
@@ -31,6 +35,7 @@ import pickle
 import platform
 import statistics
 import sys
+import tempfile
 import time
 from typing import Any
 
@@ -54,7 +59,8 @@ from s3kv.storage import MemoryBackend
 from s3kv.store import KVStore
 
 LAYERS, KV_HEADS, HEAD_DIM = 2, 1, 8  # NOTE: tiny blocks: no copy runs; only counts matter
-PHASES = ("request_view", "claim", "alloc", "meta", "pickle", "wait_for_save")
+PHASES = ("request_view", "claim", "alloc", "meta", "pickle", "wait_for_save", "hand_off")
+AFTER_FORWARD = ("wait_for_save", "hand_off")
 
 
 def emit(metric: str, value: float, unit: str, **extra: Any) -> None:
@@ -69,9 +75,13 @@ class DeferringNoCopyEngine(NoCopyEngine):
 
 
 class Case:
-    """One store whose manifest holds ``manifest_keys`` unrelated keys."""
+    """One store whose manifest holds ``manifest_keys`` unrelated keys.
 
-    def __init__(self, n_tokens: int, tpb: int, manifest_keys: int) -> None:
+    With ``codec_processes`` the store writes to a ``file://`` bucket in a temporary folder
+    (the processes open the bucket from the settings), else to memory.
+    """
+
+    def __init__(self, n_tokens: int, tpb: int, manifest_keys: int, codec_processes: int) -> None:
         self.n_tokens, self.tpb = n_tokens, tpb
         self.blocks = n_tokens // tpb
         elems = KV_HEADS * tpb * HEAD_DIM
@@ -80,14 +90,21 @@ class Case:
             quantization="none", tokens_per_block=tpb, kv_factor=2, block_elems=elems,
             num_layers=LAYERS, layout="trtllm-v1/TRTLLM", tp_size=1, tp_rank=0,
         )  # fmt: skip
+        self.codec_processes = codec_processes
+        self.folder = tempfile.TemporaryDirectory(prefix="bench-save-")
         self.config = S3KVConfig.load(
             environ={}, bucket="bench-save", codec="raw", manifest_refresh_interval=0,
-            warm_start_bytes=0,
+            warm_start_bytes=0, codec_processes=codec_processes,
+            endpoint_url=f"file://{self.folder.name}" if codec_processes else None,
+            staging_bytes=64 << 20, manifest_compaction="off",
         )  # fmt: skip
-        self.store = KVStore.open(
-            self.config, identity, backend=MemoryBackend(), allocator=NumpyAllocator(),
-            pool=IOPool(2), start_background=False,
-        )  # fmt: skip
+        if codec_processes:
+            self.store = KVStore.open(self.config, identity, start_background=False)
+        else:
+            self.store = KVStore.open(
+                self.config, identity, backend=MemoryBackend(), allocator=NumpyAllocator(),
+                pool=IOPool(2), start_background=False,
+            )  # fmt: skip
         rng = np.random.default_rng(11)
         parent = ROOT_HASH
         keys = rng.bytes(16 * manifest_keys)
@@ -134,14 +151,14 @@ class Case:
         start_walks = getattr(shards, "start_walks", None)
         if start_walks is not None:
             start_walks()  # NOTE: what wait_for_save starts on rank 0 (untimed: I/O side)
-        for batch in self.worker._unissued:  # NOTE: nothing is copied or saved here
-            for buffer in batch.buffers:
-                self.worker._buffers.release(buffer)
-        self.worker._unissued.clear()
-        self.worker._inflight.clear()
         core.request_finished(rid)
+        t7 = time.perf_counter()
+        done = self.worker.finished([rid])  # NOTE: copies "done": the blocks go to the store
+        t8 = time.perf_counter()
+        assert done == [rid]
+        self.store.flush(timeout=60)  # NOTE: the saves end before the next sample (untimed)
         time.sleep(0.01)  # NOTE: the I/O side's walk ends before the next sample
-        phases = (t1 - t0, t2 - t1, t3 - t2, t4 - t3, t5 - t4, t6 - t5)
+        phases = (t1 - t0, t2 - t1, t3 - t2, t4 - t3, t5 - t4, t6 - t5, t8 - t7)
         return dict(zip(PHASES, phases, strict=True)), len(meta.saves), len(wire)
 
 
@@ -151,18 +168,19 @@ def main() -> int:
     parser.add_argument("--manifest-keys", type=int, default=200_000)
     args = parser.parse_args()
     samples = 5 if args.quick else 25
-    for n_tokens in (8192, 32768):
-        case = Case(n_tokens, 32, args.manifest_keys)
+    for n_tokens, processes in ((8192, 0), (32768, 0), (8192, 2)):
+        case = Case(n_tokens, 32, args.manifest_keys, processes)
         results = [case.sample() for _ in range(samples + 1)][1:]  # NOTE: the first warms up
         rows = [r for r, _, _ in results]
         phases = {f"{p}_ms": round(statistics.median(r[p] for r in rows) * 1e3, 3) for p in PHASES}
-        pre = [sum(r[p] for p in PHASES if p != "wait_for_save") * 1e3 for r in rows]
+        pre = [sum(r[p] for p in PHASES if p not in AFTER_FORWARD) * 1e3 for r in rows]
         emit("save_path.pre_forward_ms", statistics.median(pre), "ms", tokens=n_tokens,
              tokens_per_block=32, blocks=case.blocks, saves=results[-1][1],
              metadata_bytes=results[-1][2], manifest_keys=args.manifest_keys,
-             samples=samples, **phases, cores=os.cpu_count(),
+             samples=samples, **phases, codec_processes=processes, cores=os.cpu_count(),
              cpu=platform.processor() or platform.machine())  # fmt: skip
         case.store.close()
+        case.folder.cleanup()
     return 0
 
 

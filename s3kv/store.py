@@ -53,7 +53,13 @@ from s3kv.errors import (
     S3KVError,
     StorageError,
 )
-from s3kv.keys import BlockHash, ModelIdentity, block_object_key, identity_object_key
+from s3kv.keys import (
+    BlockHash,
+    ModelIdentity,
+    block_object_key,
+    block_object_keys,
+    identity_object_key,
+)
 from s3kv.manifest import CompactionPolicy, Manifest, UsageTable, load_usage
 from s3kv.metrics import Export, Metrics, exporter
 from s3kv.offload import (
@@ -973,7 +979,7 @@ class KVStore:
         Returns:
             What happened; never raises for storage trouble.
         """
-        nbytes = data.nbytes if isinstance(data, np.ndarray) else len(memoryview(data).cast("B"))
+        nbytes = _nbytes(data)
         status = self._admit_save(key, nbytes, checked)
         if status is not SaveStatus.QUEUED:
             if on_consumed is not None:
@@ -1146,7 +1152,9 @@ class KVStore:
         interpreter pays per batch, not per block, for most of the bookkeeping.
         """
         offload = self._offload
-        if offload is None or not offload.alive:
+        if offload is None:
+            return self._save_many_here(blocks, codec.DType(dtype), shape, checked)
+        if not offload.alive:
             return [
                 self.save(k, p, d, dtype=dtype, shape=shape, on_consumed=c, checked=checked)
                 for k, p, d, c in blocks
@@ -1189,6 +1197,45 @@ class KVStore:
             self._hand_over(offload, batch, slots, codec.DType(dtype), shape, fall_back=False)
         return statuses
 
+    def _save_many_here(
+        self,
+        blocks: Sequence[tuple[BlockHash, BlockHash, HostBuffer, Callable[[], None] | None]],
+        dtype: codec.DType,
+        shape: tuple[int, ...],
+        checked: bool,
+    ) -> list[SaveStatus]:
+        """:meth:`save_many` on the I/O threads: admitted under one lock, queued at once."""
+        sizes = [_nbytes(data) for _, _, data, _ in blocks]
+        statuses = self._admit_saves(
+            [(b[0], n) for b, n in zip(blocks, sizes, strict=True)], checked
+        )
+        tasks: list[Callable[[], None]] = []
+        queued: list[int] = []
+        for i, ((key, parent, data, on_consumed), status) in enumerate(
+            zip(blocks, statuses, strict=True)
+        ):
+            if status is not SaveStatus.QUEUED:
+                if on_consumed is not None:
+                    on_consumed()
+                continue
+            queued.append(i)
+            tasks.append(
+                functools.partial(
+                    self._write, key, parent, data, dtype, shape, sizes[i], on_consumed
+                )
+            )  # fmt: skip
+        if not tasks:
+            return statuses
+        self.metrics.inc("save_submitted", len(tasks))
+        if not self._pool.submit_many(Priority.SAVE, tasks):
+            for i in queued:  # NOTE: the pool is shut down: as save() does, one by one
+                key, _, _, on_consumed = blocks[i]
+                self._finish_save(key, sizes[i])
+                if on_consumed is not None:
+                    on_consumed()
+                statuses[i] = SaveStatus.DROPPED
+        return statuses
+
     def _hand_over(
         self,
         offload: CodecProcesses,
@@ -1213,16 +1260,18 @@ class KVStore:
                 return True
         codec_id, level = int(self._codec), self.config.compression_level
         conditional = self.backend.capabilities.conditional_put
+        keys = batch.keys[:admitted]
+        quarantined = self.quarantine.among(keys)
+        object_keys = block_object_keys(self.config.key_prefix, self.fingerprint, keys)
+        dtype_value, nbytes = dtype.value, batch.nbytes
         jobs: list[Job] = []
-        for i in range(admitted):
-            key = batch.keys[i]
-            rewrite = key in self.quarantine
+        for key, object_key, (arena, slot) in zip(keys, object_keys, slots, strict=False):
+            rewrite = key in quarantined
             batch.rewrite.append(rewrite)
-            arena, slot = slots[i]
             jobs.append(
                 SaveJob(
-                    self.object_key(key), arena.path, arena.slot_bytes, slot, batch.nbytes,
-                    dtype.value, shape, codec_id, level, conditional and not rewrite,
+                    object_key, arena.path, arena.slot_bytes, slot, nbytes, dtype_value, shape,
+                    codec_id, level, conditional and not rewrite,
                 )
             )  # fmt: skip
         if offload.submit_batch(jobs, functools.partial(self._saves_done, batch)):
@@ -1462,6 +1511,11 @@ class _SaveBatch:
         self.keys.append(key)
         self.parents.append(parent)
         self.consumed.append(consumed)
+
+
+def _nbytes(data: HostBuffer | bytes | memoryview) -> int:
+    """Raw bytes of a block handed to :meth:`KVStore.save`."""
+    return data.nbytes if isinstance(data, np.ndarray) else len(memoryview(data).cast("B"))
 
 
 def _start_codec_processes(

@@ -628,3 +628,50 @@ def test_a_shard_claim_that_fails_midway_leaves_no_pin(backend: MemoryBackend) -
         ShardStores(stores).claim(Faulty(good))
     for store in stores:
         assert all(entry.pins == 0 for entry in store.staging._entries.values())
+
+
+def test_save_many_on_the_io_threads_writes_each_admitted_block_once(
+    backend: MemoryBackend, chain: list[BlockHash]
+) -> None:
+    store = open_store(backend, threads=2)
+    data = blocks(10)
+    save_chain(store, chain[:3], data[:3])
+    consumed: list[int] = []
+    batch = [
+        (key, parent, block, lambda i=i: consumed.append(i))
+        for i, (key, parent, block) in enumerate(
+            zip(chain, [ROOT_HASH, *chain[:9]], data, strict=True)
+        )
+    ]
+    statuses = store.save_many(batch, dtype="bfloat16", shape=SHAPE)
+    assert statuses == [SaveStatus.SKIPPED] * 3 + [SaveStatus.QUEUED] * 7
+    assert store.flush(timeout=10)
+    assert sorted(consumed) == list(range(10))  # NOTE: skipped ones at once, the rest once encoded
+    assert store.metrics.value("save_completed") == 10  # NOTE: 3 by save_chain, 7 here
+    reader = open_store(backend)
+    assert reader.prefetch(chain[:10]) == 10
+    assert reader.wait_staged(chain[:10], timeout=5) == 10
+    for key, block in zip(chain[:10], data, strict=True):
+        staged = reader.staged(key)
+        assert staged is not None
+        assert staged.tobytes() == block.tobytes()
+
+
+def test_save_many_after_the_io_threads_stopped_drops_and_hands_back_every_block(
+    backend: MemoryBackend, chain: list[BlockHash]
+) -> None:
+    pool = IOPool(1)
+    store = KVStore.open(
+        config(), identity(), backend=backend, allocator=NumpyAllocator(), pool=pool,
+        start_background=False,
+    )  # fmt: skip
+    pool.shutdown(timeout=5)
+    consumed: list[int] = []
+    batch = [
+        (key, ROOT_HASH, block, lambda i=i: consumed.append(i))
+        for i, (key, block) in enumerate(zip(chain[:4], blocks(4), strict=True))
+    ]
+    assert store.save_many(batch, dtype="bfloat16", shape=SHAPE) == [SaveStatus.DROPPED] * 4
+    assert sorted(consumed) == [0, 1, 2, 3]
+    assert store.flush(timeout=1)  # NOTE: nothing left in flight
+    assert not [o for o in backend.list("") if "/blocks/" in o.key]

@@ -116,6 +116,16 @@ class SaveOps(Sequence[SaveOp]):
         i = range(len(self))[index]
         return self.parents[i * HASH_BYTES : (i + 1) * HASH_BYTES]
 
+    def key_list(self) -> list[bytes]:
+        """Every block's hash, in order (what :meth:`key` gives, in one pass)."""
+        keys = self.keys
+        return [keys[i : i + HASH_BYTES] for i in range(0, len(keys), HASH_BYTES)]
+
+    def parent_list(self) -> list[bytes]:
+        """Every block's chain parent, in order (what :meth:`parent` gives, in one pass)."""
+        parents = self.parents
+        return [parents[i : i + HASH_BYTES] for i in range(0, len(parents), HASH_BYTES)]
+
     def __len__(self) -> int:
         return len(self.block_ids)
 

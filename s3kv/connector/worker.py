@@ -30,7 +30,7 @@ from collections import Counter, defaultdict, deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
@@ -426,6 +426,13 @@ class WorkerCore:
         whole of them: a token read waited 4.1 ms behind a prompt's 254 1-MiB block copies
         on an H100 (``benchmarks/gpu_copy_order.py``). Until then the blocks' requests count
         as saving, so their blocks stay allocated.
+
+        Completed copies reach the store only in :meth:`finished`, never here: TensorRT-LLM
+        commits and answers the previous batch's tokens after ``_forward_step`` and calls
+        ``get_finished`` last (``_kv_connector_terminate_requests``, ``py_executor.py`` @
+        000439672005), and handing a prompt's 254 blocks over took the engine's thread
+        3.5 ms on an H200 host: in ``wait_for_save`` it delayed the first token of a cold
+        prompt by as much (``benchmarks/gpu_ab.py``).
         """
         if self.relay is not None and metadata.relay:
             self.relay.attach(metadata.relay)  # idempotent; before any save reaches the store
@@ -433,7 +440,6 @@ class WorkerCore:
             self._await_all(stream)
         self._issue()  # NOTE: an engine that skipped get_finished: queue them now, in order
         self.poll_loads()
-        self._drain(block=False)
         if not metadata.saves:
             return
         buffers = self._buffers.acquire_many(len(metadata.saves))
@@ -520,10 +526,12 @@ class WorkerCore:
     def _hand_to_store(self, ops: SaveOps, buffers: Sequence[Any]) -> None:
         """One forward pass's copied blocks to the store, in one call."""
         release, array = self._buffers.release, self._buffers.array
-        key, parent = ops.key, ops.parent
+        # NOTE: BlockHash is a NewType: the lists are already what the store takes.
+        keys = cast(list[BlockHash], ops.key_list())
+        parents = cast(list[BlockHash], ops.parent_list())
         blocks = [
-            (BlockHash(key(i)), BlockHash(parent(i)), array(buffer), partial(release, buffer))
-            for i, buffer in zip(range(len(ops)), buffers, strict=True)
+            (key, parent, array(buffer), partial(release, buffer))
+            for key, parent, buffer in zip(keys, parents, buffers, strict=True)
         ]
         try:
             # NOTE: the scheduler planned these from one bulk filter pass (checked).
@@ -549,12 +557,29 @@ class WorkerCore:
         try:
             self._issue()
             self.poll_loads()
-            self._drain(block=False)
         except Exception:  # NOTE: the ids stay awaited; a later call returns them
             logger.exception("s3kv: polling device copies failed")
+        try:
+            self._drain(block=False)
+        except Exception:
+            # NOTE: were they held until a drain succeeds, a drain that keeps failing would
+            # hold their requests, hence their blocks, for good.
+            logger.exception("s3kv: polling device copies failed; abandoning their saves")
+            self._abandon_copies()
         done = sorted(rid for rid in self._awaiting if rid not in self._inflight)
         self._awaiting.difference_update(done)
         return done
+
+    def _abandon_copies(self) -> None:
+        """Give up every queued copy's saves (counted): their requests may finish.
+
+        Their buffers stay out of the pool (a copy may still be writing one) and never reach
+        the store, so a block the engine frees and reuses is never saved under its old key.
+        """
+        while self._pending:
+            pending = self._pending.popleft()
+            self.store.metrics.inc("connector_save_errors", len(pending.ops))
+            self._settle(pending.ops)
 
     def flush(self) -> None:
         """Wait for every pending copy and hand it to the store (shutdown)."""
