@@ -51,3 +51,16 @@ def test_a_batch_larger_than_the_bound_keeps_its_newest_keys() -> None:
     queue.add_hits([key(5), key(4)], now=2.0)
     assert hits_of(queue) == {key(4): (2, 2.0), key(5): (2, 2.0)}
     assert queue.dropped == 4
+
+
+def test_extending_keeps_what_appending_one_by_one_keeps() -> None:
+    for bound in (1, 3, 5, 9):
+        one_by_one, at_once = RecordQueue(bound=bound), RecordQueue(bound=bound)
+        for queue in (one_by_one, at_once):
+            queue.append(write(90))
+            queue.add_hits([key(1), key(2)], now=1.0)
+        for i in range(6):
+            one_by_one.append(write(i))
+        at_once.extend(write(i) for i in range(6))
+        assert at_once.to_array().tobytes() == one_by_one.to_array().tobytes()
+        assert at_once.dropped == one_by_one.dropped

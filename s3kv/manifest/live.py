@@ -345,8 +345,7 @@ class Manifest:
             return
         with self._lock:
             self._filter.add_local([r[0] for r in records])
-            for record in records:
-                self._queue.append(record)
+            self._queue.extend(records)
             self._maybe_wake()
 
     def record_hits(self, keys: Sequence[BlockHash]) -> None:
@@ -373,8 +372,7 @@ class Manifest:
         _check_keys(keys)
         now = self._clock()
         with self._lock:
-            for key in keys:
-                self._queue.append((bytes(key), UNKNOWN_PARENT, now, 0, kind, 1))
+            self._queue.extend((bytes(key), UNKNOWN_PARENT, now, 0, kind, 1) for key in keys)
             self._maybe_wake()
 
     def _maybe_wake(self) -> None:

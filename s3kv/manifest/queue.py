@@ -47,6 +47,11 @@ class RecordQueue:
         self._drop_beyond(self.bound - 1)
         self._records.append(record)
 
+    def extend(self, records: Iterable[Record]) -> None:
+        """:meth:`append` of each of ``records``, dropping beyond the bound once, after."""
+        self._records.extend(records)
+        self._drop_beyond(self.bound)
+
     def add_hits(self, keys: Iterable[bytes], now: float) -> None:
         """Count one hit at ``now`` for each of ``keys``.
 

@@ -353,7 +353,10 @@ def _deliver_all(outcomes: Sequence[tuple[_Waiter, Outcome]]) -> None:
     """Each batch's callback once, with the pairs of its jobs among ``outcomes``."""
     batches: dict[int, tuple[BatchDone, list[tuple[int, Outcome]]]] = {}
     for (done, index), outcome in outcomes:
-        batches.setdefault(id(done), (done, []))[1].append((index, outcome))
+        batch = batches.get(id(done))
+        if batch is None:  # NOTE: not setdefault: it would build a pair for every outcome
+            batch = batches[id(done)] = (done, [])
+        batch[1].append((index, outcome))
     for done, pairs in batches.values():
         _call(done, pairs)
 
