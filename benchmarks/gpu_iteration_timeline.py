@@ -10,7 +10,7 @@ time at which each iteration's work ended, and prints the median trial's timelin
 
 Rows (JSON lines): ``gpu.timeline.ttft_ms`` per executor (``connector``: bool) with the
 trials' values, and ``gpu.timeline.call`` per timed call of the median trial: ``name``,
-``start_ms`` (from the request's submission), ``ms``, ``iteration``.
+``start_ms`` (from the request's submission), ``value`` (its milliseconds), ``iteration``.
 
 Usage: ``python benchmarks/gpu_iteration_timeline.py [--shape llama3-8b:8] [--trials 7]``
 (needs CUDA; ``--codec-processes`` as in ``gpu_ab.py``).

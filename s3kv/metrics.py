@@ -69,6 +69,9 @@ HELP: Mapping[str, str] = {
     "connector_copied_blocks": "Full blocks copied from the KV pool to host and handed to saves.",
     "connector_save_buffers_full": "Saves dropped because the host copy buffers were exhausted.",
     "connector_save_errors": "Saves dropped because handing them to the store failed.",
+    "connector_save_buffers_withheld": (
+        "Save buffers kept out of the pool for good: a failed device copy may still write them."
+    ),
     "connector_save_planning_errors": "Requests whose save planning failed (saves dropped).",
     "connector_uncacheable_requests": (
         "Requests neither claimed nor saved: key inputs s3kv cannot see (unmapped LoRA task "

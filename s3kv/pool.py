@@ -71,20 +71,25 @@ class IOPool:
         two then trade it every switch interval (5 ms): a prompt's 1,024 saves queued one by
         one took a 2-core host 204 ms; queued at once, no worker wakes until the last.
         """
-        if self._closed:
-            return False
         if self.inline:
+            if self._closed:
+                return False
             for task in tasks:
                 self._call(task)
             return True
-        self._push([(int(priority), next(self._seq), task) for task in tasks])
-        return True
+        return self._push([(int(priority), next(self._seq), task) for task in tasks])
 
-    def _push(self, entries: list[_Entry]) -> None:
+    def _push(self, entries: list[_Entry], *, closing: bool = False) -> bool:
+        """Queue ``entries`` unless the pool is closed (checked under the lock, so that no
+        task lands behind the workers' stop entries); ``closing`` closes it with them."""
         with self._ready:
+            if self._closed:
+                return False
+            self._closed = closing
             for entry in entries:
                 heapq.heappush(self._heap, entry)
             self._ready.notify(len(entries))
+        return True
 
     def shutdown(self, timeout: float | None = None) -> bool:
         """Stop accepting tasks, let queued ones finish, join workers within ``timeout``.
@@ -92,10 +97,8 @@ class IOPool:
         Returns:
             ``True`` if every worker exited in time.
         """
-        if self._closed:
+        if not self._push([(_STOP, next(self._seq), None) for _ in self._threads], closing=True):
             return True
-        self._closed = True
-        self._push([(_STOP, next(self._seq), None) for _ in self._threads])
         for thread in self._threads:
             thread.join(timeout)
         return not any(t.is_alive() for t in self._threads)

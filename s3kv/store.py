@@ -1149,12 +1149,18 @@ class KVStore:
         The same contract per block. Blocks in the store's arenas go to the codec processes
         as one batch: admitted under one lock, handed over with one wake-up, and their
         outcomes handled a message at a time (:meth:`_saves_done`), so the engine's
-        interpreter pays per batch, not per block, for most of the bookkeeping.
+        interpreter pays per batch, not per block, for most of the bookkeeping. Without codec
+        processes the batch goes to the I/O threads at once (:meth:`_save_many_here`). Under
+        ``save_policy=block`` the blocks go one at a time, as :meth:`save`.
         """
         offload = self._offload
-        if offload is None:
+        if self.config.save_policy == "block":
+            # NOTE: one by one: a block waiting for room gets it as the ones before it are
+            # written; admitted together, it could only wait for older saves, then drop.
+            offload = None
+        elif offload is None:
             return self._save_many_here(blocks, codec.DType(dtype), shape, checked)
-        if not offload.alive:
+        if offload is None or not offload.alive:
             return [
                 self.save(k, p, d, dtype=dtype, shape=shape, on_consumed=c, checked=checked)
                 for k, p, d, c in blocks
@@ -1265,7 +1271,7 @@ class KVStore:
         object_keys = block_object_keys(self.config.key_prefix, self.fingerprint, keys)
         dtype_value, nbytes = dtype.value, batch.nbytes
         jobs: list[Job] = []
-        for key, object_key, (arena, slot) in zip(keys, object_keys, slots, strict=False):
+        for key, object_key, (arena, slot) in zip(keys, object_keys, slots[:admitted], strict=True):
             rewrite = key in quarantined
             batch.rewrite.append(rewrite)
             jobs.append(

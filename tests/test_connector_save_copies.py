@@ -153,4 +153,38 @@ def test_copies_whose_events_cannot_be_polled_are_abandoned_never_saved_nor_hold
     assert store.saved == {}
     assert store.metrics.value("connector_save_errors") == 2
     assert len(core._buffers._free) == free_before  # NOTE: a copy may still write them
-    assert any("abandoning their saves" in r.getMessage() for r in caplog.records)
+    assert store.metrics.value("connector_save_buffers_withheld") == 2
+    assert any("a save copy's event failed" in r.getMessage() for r in caplog.records)
+
+
+def test_a_drain_that_keeps_failing_abandons_the_copies_and_returns_the_finished_buffers(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    core, engine, store, _ = worker()
+    core.save_after_forward(saves(1, [0, 1]), stream=None)
+    core.finished([])
+    core.save_after_forward(saves(2, [2]), stream=None)
+    assert core.finished([1, 2]) == []
+    engine.events[0].done = True  # NOTE: request 1's copy ended; request 2's may still run
+
+    def broken(*, block: bool) -> None:
+        raise RuntimeError("drain bug")
+
+    monkeypatch.setattr(core, "_drain", broken)
+    free_before = len(core._buffers._free)
+    assert core.finished([]) == [1, 2]  # NOTE: neither request held for good
+    assert store.saved == {}
+    assert store.metrics.value("connector_save_errors") == 3
+    assert len(core._buffers._free) == free_before + 2  # NOTE: only the ended copy's
+    assert store.metrics.value("connector_save_buffers_withheld") == 1
+
+
+def test_an_engine_that_never_calls_get_finished_gets_completed_copies_saved_at_wait_for_save() -> (
+    None
+):
+    core, engine, store, _ = worker()
+    core.save_after_forward(saves(1, [0, 1]), stream=None)
+    core.save_after_forward(saves(2, [2]), stream=None)  # NOTE: queues the first pass's copies
+    engine.events[0].done = True
+    core.save_after_forward(saves(3, [3]), stream=None)
+    assert sorted(store.saved) == [bytes([1, 0]) * 8, bytes([1, 1]) * 8]

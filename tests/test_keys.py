@@ -21,6 +21,7 @@ from s3kv.keys import (
     ModelIdentity,
     MultimodalItem,
     block_object_key,
+    block_object_keys,
     chain_hashes,
     hash_block,
     layout_fingerprint,
@@ -293,3 +294,12 @@ def test_object_keys_spread_over_prefixes() -> None:
 def test_block_hash_is_bytes() -> None:
     h: BlockHash = hash_block(ROOT_HASH, [5])
     assert isinstance(h, bytes)
+
+
+def test_object_keys_in_bulk_are_the_object_key_of_each_hash() -> None:
+    hashes = [BlockHash(bytes([i]) * HASH_BYTES) for i in range(5)]
+    for prefix in ("", "/", "kv", "/kv/", "a/b", "a/b/"):
+        assert block_object_keys(prefix, "f" * 32, hashes) == [
+            block_object_key(prefix, "f" * 32, h) for h in hashes
+        ]
+    assert block_object_keys("kv", "f" * 32, []) == []

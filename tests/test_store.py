@@ -675,3 +675,18 @@ def test_save_many_after_the_io_threads_stopped_drops_and_hands_back_every_block
     assert sorted(consumed) == [0, 1, 2, 3]
     assert store.flush(timeout=1)  # NOTE: nothing left in flight
     assert not [o for o in backend.list("") if "/blocks/" in o.key]
+
+
+def test_save_many_under_the_block_policy_lets_each_block_wait_for_the_ones_before_it(
+    backend: MemoryBackend, chain: list[BlockHash]
+) -> None:
+    store = open_store(
+        backend, threads=2, save_policy="block", max_inflight_save_bytes=1024,
+        save_block_timeout=5.0,
+    )  # fmt: skip
+    small = [np.full(128, i, np.uint16) for i in range(10)]  # NOTE: 256 bytes; room for 4
+    batch = [(key, ROOT_HASH, block, None) for key, block in zip(chain[:10], small, strict=True)]
+    statuses = store.save_many(batch, dtype="bfloat16", shape=(128,))
+    assert statuses == [SaveStatus.QUEUED] * 10
+    assert store.flush(timeout=10)
+    assert store.metrics.value("save_completed") == 10

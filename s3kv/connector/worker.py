@@ -14,11 +14,13 @@ Contracts:
   rank publishes, on the :class:`~s3kv.connector.completion.CompletionBoard`, that the
   copies' last event has *completed* (:meth:`WorkerCore.poll_loads`, run at every entry
   point).
-* :meth:`WorkerCore.save_after_forward` copies full blocks to bounded host buffers on a side
-  stream that waits for the forward-pass event, then hands them to the store, which encodes
-  and uploads them on its pool. Nothing waits for S3.
-* :meth:`WorkerCore.finished` reports a request as saved once all of its device→host copies
-  have completed on this rank.
+* :meth:`WorkerCore.save_after_forward` plans device→host copies of full blocks into bounded
+  host buffers, on a side stream ordered after the engine's; on a device they are queued by
+  the next :meth:`WorkerCore.finished`. Nothing waits for S3.
+* :meth:`WorkerCore.finished` queues the planned copies, hands completed ones to the store
+  (which encodes and uploads them on its pool), and reports a request as saved once all of
+  its device→host copies have completed on this rank. An engine that never calls it gets the
+  hand-off in :meth:`WorkerCore.save_after_forward` instead.
 """
 
 from __future__ import annotations
@@ -229,6 +231,9 @@ class WorkerCore:
         self._arenas: dict[str, SlabArena] = {}
         self._pending: deque[_PendingCopy] = deque()
         self._unissued: list[_Unissued] = []  # NOTE: queued at the next get_finished
+        # NOTE: whether get_finished ran since the last wait_for_save: it hands completed
+        # copies to the store; an engine that never calls it gets that in wait_for_save.
+        self._finished_called = True
         self._inflight: dict[int, int] = defaultdict(int)  # request id -> copies pending
         self._awaiting: set[int] = set()
         self._loads: deque[tuple[int, StreamEvent]] = deque()  # (load_seq, its event)
@@ -427,12 +432,13 @@ class WorkerCore:
         on an H100 (``benchmarks/gpu_copy_order.py``). Until then the blocks' requests count
         as saving, so their blocks stay allocated.
 
-        Completed copies reach the store only in :meth:`finished`, never here: TensorRT-LLM
-        commits and answers the previous batch's tokens after ``_forward_step`` and calls
-        ``get_finished`` last (``_kv_connector_terminate_requests``, ``py_executor.py`` @
-        000439672005), and handing a prompt's 254 blocks over took the engine's thread
-        3.5 ms on an H200 host: in ``wait_for_save`` it delayed the first token of a cold
-        prompt by as much (``benchmarks/gpu_ab.py``).
+        On such a device completed copies reach the store in :meth:`finished`, not here,
+        unless no :meth:`finished` ran since the last call (or the buffers ran short):
+        TensorRT-LLM commits and answers the previous batch's tokens after ``_forward_step``
+        and calls ``get_finished`` last (``_kv_connector_terminate_requests``,
+        ``py_executor.py`` @ 000439672005), and handing a prompt's 254 blocks over took the
+        engine's thread 3.5 ms on an H200 host: in ``wait_for_save`` it delayed the first
+        token of a cold prompt by as much (``benchmarks/gpu_iteration_timeline.py``).
         """
         if self.relay is not None and metadata.relay:
             self.relay.attach(metadata.relay)  # idempotent; before any save reaches the store
@@ -440,9 +446,16 @@ class WorkerCore:
             self._await_all(stream)
         self._issue()  # NOTE: an engine that skipped get_finished: queue them now, in order
         self.poll_loads()
+        if not self._finished_called:
+            self._drain(block=False)
+        self._finished_called = False
         if not metadata.saves:
             return
         buffers = self._buffers.acquire_many(len(metadata.saves))
+        if len(buffers) < len(metadata.saves) and self._pending:
+            # NOTE: short of buffers: completed copies go to the store now, so that theirs
+            # come back as soon as they are encoded (those of this pass are dropped).
+            self._drain(block=False)
         ops = metadata.saves[: len(buffers)]
         if len(ops) < len(metadata.saves):
             self.store.metrics.inc("connector_save_buffers_full", len(metadata.saves) - len(ops))
@@ -512,28 +525,52 @@ class WorkerCore:
         return pairs
 
     def _drain(self, *, block: bool) -> None:
-        """Hand completed copies to the store (oldest first); a failed save is only counted."""
+        """Hand completed copies to the store (oldest first); a failed save is only counted,
+        and a copy whose event cannot be asked is abandoned (:meth:`_abandon`)."""
         while self._pending:
             pending = self._pending[0]
-            if not pending.event.query():
-                if not block:
-                    return
-                pending.event.synchronize()
+            try:
+                done = pending.event.query()
+                if not done and block:
+                    pending.event.synchronize()
+                    done = True
+            except Exception:
+                logger.exception("s3kv: a save copy's event failed")
+                self._abandon(self._pending.popleft())
+                continue
+            if not done:
+                return
             self._pending.popleft()
             self._settle(pending.ops)
             self._hand_to_store(pending.ops, pending.buffers)
 
+    def _abandon(self, pending: _PendingCopy, *, done: bool = False) -> None:
+        """Give up a queued copy's saves (counted): its requests may finish.
+
+        Its blocks never reach the store, so a block the engine frees and reuses is never
+        saved under its old key. Its buffers go back to the pool only if the copy is known to
+        have ended (``done``); otherwise a copy may still write them, and they stay out
+        (counted).
+        """
+        self.store.metrics.inc("connector_save_errors", len(pending.ops))
+        self._settle(pending.ops)
+        if done:
+            for buffer in pending.buffers:
+                self._buffers.release(buffer)
+        else:
+            self.store.metrics.inc("connector_save_buffers_withheld", len(pending.buffers))
+
     def _hand_to_store(self, ops: SaveOps, buffers: Sequence[Any]) -> None:
         """One forward pass's copied blocks to the store, in one call."""
         release, array = self._buffers.release, self._buffers.array
-        # NOTE: BlockHash is a NewType: the lists are already what the store takes.
-        keys = cast(list[BlockHash], ops.key_list())
-        parents = cast(list[BlockHash], ops.parent_list())
-        blocks = [
-            (key, parent, array(buffer), partial(release, buffer))
-            for key, parent, buffer in zip(keys, parents, buffers, strict=True)
-        ]
         try:
+            # NOTE: BlockHash is a NewType: the lists are already what the store takes.
+            keys = cast(list[BlockHash], ops.key_list())
+            parents = cast(list[BlockHash], ops.parent_list())
+            blocks = [
+                (key, parent, array(buffer), partial(release, buffer))
+                for key, parent, buffer in zip(keys, parents, buffers, strict=True)
+            ]
             # NOTE: the scheduler planned these from one bulk filter pass (checked).
             self.store.save_many(
                 blocks, dtype=self.dtype_name, shape=self.block_shape, checked=True
@@ -554,6 +591,7 @@ class WorkerCore:
         awaiting set only in the call that returns it, so it is returned exactly once.
         """
         self._awaiting.update(int(i) for i in finished_gen_req_ids)
+        self._finished_called = True
         try:
             self._issue()
             self.poll_loads()
@@ -565,21 +603,20 @@ class WorkerCore:
             # NOTE: were they held until a drain succeeds, a drain that keeps failing would
             # hold their requests, hence their blocks, for good.
             logger.exception("s3kv: polling device copies failed; abandoning their saves")
-            self._abandon_copies()
+            self._abandon_all()
         done = sorted(rid for rid in self._awaiting if rid not in self._inflight)
         self._awaiting.difference_update(done)
         return done
 
-    def _abandon_copies(self) -> None:
-        """Give up every queued copy's saves (counted): their requests may finish.
-
-        Their buffers stay out of the pool (a copy may still be writing one) and never reach
-        the store, so a block the engine frees and reuses is never saved under its old key.
-        """
+    def _abandon_all(self) -> None:
+        """:meth:`_abandon` every queued copy, its buffers back where its event says done."""
         while self._pending:
             pending = self._pending.popleft()
-            self.store.metrics.inc("connector_save_errors", len(pending.ops))
-            self._settle(pending.ops)
+            try:
+                done = bool(pending.event.query())
+            except Exception:
+                done = False
+            self._abandon(pending, done=done)
 
     def flush(self) -> None:
         """Wait for every pending copy and hand it to the store (shutdown)."""
