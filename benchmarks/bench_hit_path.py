@@ -77,6 +77,31 @@ class NoCopyEngine:
         return device.DONE
 
 
+def tiny_identity(model_id: str, tpb: int) -> ModelIdentity:
+    """The identity of a :data:`LAYERS`-layer model with blocks of ``tpb`` tokens."""
+    return ModelIdentity(
+        model_id=model_id, weights_revision="r", dtype="bfloat16", kv_dtype="bfloat16",
+        quantization="none", tokens_per_block=tpb, kv_factor=2,
+        block_elems=KV_HEADS * tpb * HEAD_DIM, num_layers=LAYERS, layout="trtllm-v1/TRTLLM",
+        tp_size=1, tp_rank=0,
+    )  # fmt: skip
+
+
+def fresh_request(
+    config: S3KVConfig, tpb: int, store: KVStore, worker: WorkerCore, tokens: list[int], rid: int
+) -> tuple[SchedulerCore, ShardStores, BindingRequest, list[int]]:
+    """A new scheduler over ``store`` (its board shared with ``worker``, as at an engine's
+    start) and ``tokens`` as request ``rid`` with the block ids the engine would allocate
+    (1, 2, ... for its full blocks, then 0)."""
+    core = SchedulerCore(config, tpb)
+    board = CompletionBoard.private()
+    shards = ShardStores([store])
+    core.attach(shards, board=board, manager="v1")
+    worker.board = board
+    block_ids = [*range(1, (len(tokens) - 1) // tpb + 1), 0]
+    return core, shards, BindingRequest(tokens, rid), block_ids
+
+
 class Case:
     """One store with a staging cache big enough for every sample's prompt."""
 
@@ -85,11 +110,7 @@ class Case:
         self.blocks = n_tokens // tpb
         elems = KV_HEADS * tpb * HEAD_DIM
         block_nbytes = LAYERS * 2 * elems * 2
-        identity = ModelIdentity(
-            model_id="bench-hit", weights_revision="r", dtype="bfloat16", kv_dtype="bfloat16",
-            quantization="none", tokens_per_block=tpb, kv_factor=2, block_elems=elems,
-            num_layers=LAYERS, layout="trtllm-v1/TRTLLM", tp_size=1, tp_rank=0,
-        )  # fmt: skip
+        identity = tiny_identity("bench-hit", tpb)
         self.config = S3KVConfig.load(
             environ={}, bucket="bench-hit", codec="raw", manifest_refresh_interval=0,
             staging_bytes=(samples + 1) * (self.blocks + 1) * block_nbytes, warm_start_bytes=0,
@@ -112,14 +133,11 @@ class Case:
             buffer = self.store.staging.allocate(self.block_nbytes)
             assert buffer is not None
             self.store.staging.insert(key, buffer)
-        core = SchedulerCore(self.config, self.tpb)
-        board = CompletionBoard.private()
-        core.attach(ShardStores([self.store]), board=board, manager="v1")
-        self.worker.board = board
         self.request_id += 1
         rid = self.request_id
-        request = BindingRequest(tokens, rid)
-        block_ids = [*range(1, self.blocks + 1), 0]
+        core, _, request, block_ids = fresh_request(
+            self.config, self.tpb, self.store, self.worker, tokens, rid
+        )
         gc.collect()
         t0 = time.perf_counter()
         view = request_view(request)

@@ -41,16 +41,11 @@ from typing import Any
 
 import numpy as np
 import torch
-from bench_hit_path import NoCopyEngine
-from bench_scheduler import BindingRequest
+from bench_hit_path import HEAD_DIM, KV_HEADS, LAYERS, NoCopyEngine, fresh_request, tiny_identity
 
 from s3kv.config import S3KVConfig
 from s3kv.connector.api import RequestData
-from s3kv.connector.completion import CompletionBoard
-from s3kv.connector.identity import ModelIdentity
 from s3kv.connector.requests import request_view
-from s3kv.connector.scheduler import SchedulerCore
-from s3kv.connector.shared import ShardStores
 from s3kv.connector.worker import WorkerCore
 from s3kv.keys import ROOT_HASH, BlockHash
 from s3kv.pool import IOPool
@@ -58,7 +53,6 @@ from s3kv.staging import NumpyAllocator
 from s3kv.storage import MemoryBackend
 from s3kv.store import KVStore
 
-LAYERS, KV_HEADS, HEAD_DIM = 2, 1, 8  # NOTE: tiny blocks: no copy runs; only counts matter
 PHASES = ("request_view", "claim", "alloc", "meta", "pickle", "wait_for_save", "hand_off")
 AFTER_FORWARD = ("wait_for_save", "hand_off")
 
@@ -85,11 +79,7 @@ class Case:
         self.n_tokens, self.tpb = n_tokens, tpb
         self.blocks = n_tokens // tpb
         elems = KV_HEADS * tpb * HEAD_DIM
-        identity = ModelIdentity(
-            model_id="bench-save", weights_revision="r", dtype="bfloat16", kv_dtype="bfloat16",
-            quantization="none", tokens_per_block=tpb, kv_factor=2, block_elems=elems,
-            num_layers=LAYERS, layout="trtllm-v1/TRTLLM", tp_size=1, tp_rank=0,
-        )  # fmt: skip
+        identity = tiny_identity("bench-save", tpb)
         self.codec_processes = codec_processes
         self.folder = tempfile.TemporaryDirectory(prefix="bench-save-")
         self.config = S3KVConfig.load(
@@ -122,15 +112,11 @@ class Case:
     def sample(self) -> tuple[dict[str, float], int, int]:
         """One cold prompt; seconds per phase, saves planned, metadata bytes."""
         tokens = [int(t) for t in self.rng.integers(0, 128_000, size=self.n_tokens + 1)]
-        core = SchedulerCore(self.config, self.tpb)
-        board = CompletionBoard.private()
-        shards = ShardStores([self.store])
-        core.attach(shards, board=board, manager="v1")
-        self.worker.board = board
         self.request_id += 1
         rid = self.request_id
-        request = BindingRequest(tokens, rid)
-        block_ids = [*range(1, self.blocks + 1), 0]
+        core, shards, request, block_ids = fresh_request(
+            self.config, self.tpb, self.store, self.worker, tokens, rid
+        )
         gc.collect()
         t0 = time.perf_counter()
         view = request_view(request)

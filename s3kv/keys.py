@@ -646,20 +646,28 @@ def fingerprint_prefix(prefix: str, fingerprint: str) -> str:
     return _join(prefix, fingerprint) + "/"
 
 
+def block_key_head(prefix: str, fingerprint: str) -> str:
+    """What every block object key of one fingerprint starts with: ``<prefix>/<fingerprint>/
+    blocks/`` (ending in ``/``; also the prefix that lists them)."""
+    return _join(prefix, fingerprint, "blocks") + "/"
+
+
+def block_key_under(head: str, block_hash: bytes) -> str:
+    """The object key of ``block_hash`` under ``head`` (:func:`block_key_head`): callers that
+    compose many keys of one fingerprint join the head once."""
+    hex_hash = block_hash.hex()
+    return f"{head}{hex_hash[:_SHARD_HEX_DIGITS]}/{hex_hash}"
+
+
 def block_object_key(prefix: str, fingerprint: str, block_hash: BlockHash) -> str:
     """The object key of a block: ``<prefix>/<fingerprint>/blocks/<hh>/<hash hex>``."""
-    hex_hash = block_hash.hex()
-    return _join(prefix, fingerprint, "blocks", hex_hash[:_SHARD_HEX_DIGITS], hex_hash)
+    return block_key_under(block_key_head(prefix, fingerprint), block_hash)
 
 
 def block_object_keys(prefix: str, fingerprint: str, hashes: Iterable[bytes]) -> list[str]:
     """:func:`block_object_key` of each of ``hashes``, the common head joined once."""
-    head = _join(prefix, fingerprint, "blocks")
-    keys = []
-    for block_hash in hashes:
-        hex_hash = block_hash.hex()
-        keys.append(f"{head}/{hex_hash[:_SHARD_HEX_DIGITS]}/{hex_hash}")
-    return keys
+    head = block_key_head(prefix, fingerprint)
+    return [block_key_under(head, block_hash) for block_hash in hashes]
 
 
 def parse_block_object_key(prefix: str, key: str) -> tuple[str, BlockHash] | None:
@@ -699,6 +707,8 @@ __all__ = [
     "MultimodalItem",
     "ROOT_HASH",
     "UNKNOWN",
+    "block_key_head",
+    "block_key_under",
     "block_object_key",
     "block_object_keys",
     "chain_hashes",

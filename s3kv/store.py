@@ -1154,17 +1154,15 @@ class KVStore:
         ``save_policy=block`` the blocks go one at a time, as :meth:`save`.
         """
         offload = self._offload
-        if self.config.save_policy == "block":
-            # NOTE: one by one: a block waiting for room gets it as the ones before it are
-            # written; admitted together, it could only wait for older saves, then drop.
-            offload = None
-        elif offload is None:
-            return self._save_many_here(blocks, codec.DType(dtype), shape, checked)
-        if offload is None or not offload.alive:
+        # NOTE: under block, one by one: a block waiting for room gets it as the ones before
+        # it are written; admitted together, it could only wait for older saves, then drop.
+        if self.config.save_policy == "block" or (offload is not None and not offload.alive):
             return [
                 self.save(k, p, d, dtype=dtype, shape=shape, on_consumed=c, checked=checked)
                 for k, p, d, c in blocks
             ]
+        if offload is None:
+            return self._save_many_here(blocks, codec.DType(dtype), shape, checked)
         statuses: list[SaveStatus] = [SaveStatus.DROPPED] * len(blocks)
         here: list[int] = []
         located: list[tuple[SlabArena, int]] = []

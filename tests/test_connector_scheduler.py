@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pickle
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -426,8 +426,8 @@ class GatedPool(IOPool):
         super().__init__(0)
         self.tasks: list[Callable[[], None]] = []
 
-    def submit(self, priority: Priority, task: Callable[[], None]) -> bool:
-        self.tasks.append(task)
+    def submit_many(self, priority: Priority, tasks: Sequence[Callable[[], None]]) -> bool:
+        self.tasks.extend(tasks)  # NOTE: submit comes here too
         return True
 
     def run_all(self) -> None:

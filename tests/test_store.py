@@ -49,13 +49,15 @@ def config(**changes: object) -> S3KVConfig:
     return S3KVConfig.load(environ={}, **base)
 
 
-def open_store(backend: MemoryBackend, *, threads: int = 0, **changes: object) -> KVStore:
+def open_store(
+    backend: MemoryBackend, *, threads: int = 0, pool: IOPool | None = None, **changes: object
+) -> KVStore:
     return KVStore.open(
         config(**changes),
         identity(),
         backend=backend,
         allocator=NumpyAllocator(),
-        pool=IOPool(threads),
+        pool=pool if pool is not None else IOPool(threads),
         start_background=False,
     )
 
@@ -175,8 +177,8 @@ class GatedPool(IOPool):
         super().__init__(0)
         self.tasks: list[object] = []
 
-    def submit(self, priority: object, task: object) -> bool:  # type: ignore[override]
-        self.tasks.append(task)
+    def submit_many(self, priority: object, tasks: object) -> bool:  # type: ignore[override]
+        self.tasks.extend(tasks)  # type: ignore[call-overload]  # NOTE: submit comes here too
         return True
 
     def run_all(self) -> None:
@@ -190,10 +192,7 @@ def prefetching_reader(backend: MemoryBackend, chain: list[BlockHash]) -> tuple[
     save_chain(writer, chain, blocks(10))
     writer.close()
     pool = GatedPool()
-    reader = KVStore.open(
-        config(), identity(), backend=backend, allocator=NumpyAllocator(), pool=pool,
-        start_background=False,
-    )  # fmt: skip
+    reader = open_store(backend, pool=pool)
     assert reader.prefetch(chain) == 10
     return reader, pool
 
@@ -380,10 +379,7 @@ def test_staging_budget_bounds_prefetch(backend: MemoryBackend, chain: list[Bloc
 
 def test_prefetch_queue_is_bounded(backend: MemoryBackend, chain: list[BlockHash]) -> None:
     pool = GatedPool()
-    store = KVStore.open(
-        config(max_prefetch_queue=4), identity(), backend=backend,
-        allocator=NumpyAllocator(), pool=pool, start_background=False,
-    )  # fmt: skip
+    store = open_store(backend, pool=pool, max_prefetch_queue=4)
     assert store.prefetch(chain) == 4
     assert store.metrics.value("prefetch_dropped") == 6
     assert store.prefetch(chain[:4]) == 0, "already in flight"
@@ -437,10 +433,7 @@ def test_prefetch_many_hands_the_keys_over_in_one_step(
 ) -> None:
     save_chain(open_store(backend), chain, blocks(10))
     pool = GatedPool()
-    store = KVStore.open(
-        config(), identity(), backend=backend, allocator=NumpyAllocator(), pool=pool,
-        start_background=False,
-    )  # fmt: skip
+    store = open_store(backend, pool=pool)
     requests = store.backend.requests()
     assert store.prefetch_many(chain) == 10
     # One task queued and nothing else done on the caller's thread: no GET, no admission.
@@ -478,10 +471,7 @@ def test_held_walks_wait_outside_the_queue_bound_and_a_burst_starts_them(
     chain: list[BlockHash],
 ) -> None:
     pool = GatedPool()
-    store = KVStore.open(
-        config(), identity(), backend=MemoryBackend(), allocator=NumpyAllocator(), pool=pool,
-        start_background=False,
-    )  # fmt: skip
+    store = open_store(MemoryBackend(), pool=pool)
     for i in range(32):
         assert store.prefetch_many(chain, hold=i) == 10
     assert (store.held_walks, len(pool.tasks)) == (32, 0)
@@ -496,10 +486,7 @@ def test_held_walks_wait_outside_the_queue_bound_and_a_burst_starts_them(
 
 def test_held_walks_are_dropped_at_close_and_never_start(chain: list[BlockHash]) -> None:
     pool = GatedPool()
-    store = KVStore.open(
-        config(), identity(), backend=MemoryBackend(), allocator=NumpyAllocator(), pool=pool,
-        start_background=False,
-    )  # fmt: skip
+    store = open_store(MemoryBackend(), pool=pool)
     store.prefetch_many(chain, hold=1)
     store.close()
     assert store.held_walks == 0
@@ -513,10 +500,7 @@ def test_prefetch_many_is_bounded_by_the_prefetch_queue(
 ) -> None:
     save_chain(open_store(backend), chain, blocks(10))
     pool = GatedPool()
-    store = KVStore.open(
-        config(max_prefetch_queue=4), identity(), backend=backend,
-        allocator=NumpyAllocator(), pool=pool, start_background=False,
-    )  # fmt: skip
+    store = open_store(backend, pool=pool, max_prefetch_queue=4)
     assert store.prefetch_many(chain) == 10
     pool.tasks.pop(0)()  # the walk: at most 4 fetches outstanding, as prefetch()
     assert len(pool.tasks) == 4
@@ -527,10 +511,7 @@ def test_prefetch_many_is_bounded_by_the_prefetch_queue(
 
 def test_prefetch_many_bounds_the_walks_waiting_to_start(chain: list[BlockHash]) -> None:
     pool = GatedPool()
-    store = KVStore.open(
-        config(), identity(), backend=MemoryBackend(), allocator=NumpyAllocator(), pool=pool,
-        start_background=False,
-    )  # fmt: skip
+    store = open_store(MemoryBackend(), pool=pool)
     accepted = [store.prefetch_many(chain) for _ in range(100)]
     assert accepted.count(10) == len(pool.tasks) < 100
     assert store.metrics.value("prefetch_dropped") == 10 * accepted.count(0)
@@ -543,10 +524,7 @@ def test_claim_hashes_a_lazy_chain_only_as_far_as_it_must(backend: MemoryBackend
     keys = chain_hashes(tokens, 4)
     save_chain(open_store(backend), keys[:3], blocks(3))
     pool = GatedPool()
-    store = KVStore.open(
-        config(), identity(), backend=backend, allocator=NumpyAllocator(), pool=pool,
-        start_background=False,
-    )  # fmt: skip
+    store = open_store(backend, pool=pool)
     lazy = KeyChain(tokens, 4)
     assert store.claim(lazy) == 0
     assert lazy.hashed <= KeyChain.STEP, "the claim hashed one step, not 1000 blocks"
@@ -572,10 +550,7 @@ def wait_until(condition: Callable[[], bool], timeout: float = 10.0) -> bool:
 
 def test_prefetch_many_queues_nothing_while_unhealthy(chain: list[BlockHash]) -> None:
     pool = GatedPool()
-    store = KVStore.open(
-        config(), identity(), backend=MemoryBackend(), allocator=NumpyAllocator(), pool=pool,
-        start_background=False,
-    )  # fmt: skip
+    store = open_store(MemoryBackend(), pool=pool)
     assert store.backend.breaker is not None
     for _ in range(store.config.breaker_failures):
         store.backend.breaker.record_failure()
@@ -661,10 +636,7 @@ def test_save_many_after_the_io_threads_stopped_drops_and_hands_back_every_block
     backend: MemoryBackend, chain: list[BlockHash]
 ) -> None:
     pool = IOPool(1)
-    store = KVStore.open(
-        config(), identity(), backend=backend, allocator=NumpyAllocator(), pool=pool,
-        start_background=False,
-    )  # fmt: skip
+    store = open_store(backend, pool=pool)
     pool.shutdown(timeout=5)
     consumed: list[int] = []
     batch = [

@@ -118,13 +118,11 @@ class SaveOps(Sequence[SaveOp]):
 
     def key_list(self) -> list[bytes]:
         """Every block's hash, in order (what :meth:`key` gives, in one pass)."""
-        keys = self.keys
-        return [keys[i : i + HASH_BYTES] for i in range(0, len(keys), HASH_BYTES)]
+        return _split(self.keys)
 
     def parent_list(self) -> list[bytes]:
         """Every block's chain parent, in order (what :meth:`parent` gives, in one pass)."""
-        parents = self.parents
-        return [parents[i : i + HASH_BYTES] for i in range(0, len(parents), HASH_BYTES)]
+        return _split(self.parents)
 
     def __len__(self) -> int:
         return len(self.block_ids)
@@ -177,6 +175,11 @@ class SaveOps(Sequence[SaveOp]):
 
 
 NO_SAVES = SaveOps()
+
+
+def _split(column: bytes) -> list[bytes]:
+    """A column of concatenated hashes as one ``bytes`` per hash."""
+    return [column[i : i + HASH_BYTES] for i in range(0, len(column), HASH_BYTES)]
 
 
 @dataclass(frozen=True)

@@ -65,13 +65,12 @@ import numpy as np
 import numpy.typing as npt
 
 from s3kv.errors import AccessDeniedError, CodecError, StorageError
-from s3kv.keys import HASH_BYTES, BlockHash, block_object_key
+from s3kv.keys import HASH_BYTES, BlockHash, block_key_head, block_key_under
 from s3kv.manifest import UNKNOWN_PARENT, Records, compact
 from s3kv.ops import ProgressFn, no_progress
 from s3kv.ops.scope import (
     BlockObject,
     Fingerprint,
-    blocks_prefix,
     list_blocks,
     load_usage_checked,
     read_identity,
@@ -121,31 +120,17 @@ class Tally:
 
 
 class _ObjectKeys:
-    """The canonical object key of each block of one fingerprint (:func:`block_object_key`).
+    """The canonical object key of each block of one fingerprint
+    (:func:`~s3kv.keys.block_object_key`), its head joined once: it runs once per listed
+    object."""
 
-    Built from :func:`~s3kv.ops.scope.blocks_prefix` (twice as fast as the general function:
-    it runs once per listed object), provided that gives the same keys; checked on two keys,
-    else the general function is used.
-    """
-
-    __slots__ = ("_fast", "_head", "fingerprint", "prefix")
+    __slots__ = ("_head",)
 
     def __init__(self, prefix: str, fingerprint: str) -> None:
-        self.prefix, self.fingerprint = prefix, fingerprint
-        self._head = blocks_prefix(prefix, fingerprint)
-        samples = (BlockHash(bytes(HASH_BYTES)), BlockHash(bytes(range(1, HASH_BYTES + 1))))
-        self._fast = all(
-            self._compose(s) == block_object_key(prefix, fingerprint, s) for s in samples
-        )
-
-    def _compose(self, block: bytes) -> str:
-        hex_hash = block.hex()
-        return f"{self._head}{hex_hash[:2]}/{hex_hash}"
+        self._head = block_key_head(prefix, fingerprint)
 
     def key(self, block: bytes) -> str:
-        if self._fast:
-            return self._compose(block)
-        return block_object_key(self.prefix, self.fingerprint, BlockHash(block))
+        return block_key_under(self._head, block)
 
 
 def _hashable(obj: BlockObject) -> bool:

@@ -36,7 +36,7 @@ from s3kv.errors import CodecError, ConfigError, KeyDerivationError, ObjectTooLa
 from s3kv.keys import (
     BlockHash,
     ModelIdentity,
-    fingerprint_prefix,
+    block_key_head,
     identity_object_key,
     layout_fingerprint,
     parse_block_object_key,
@@ -150,7 +150,7 @@ class BlockObject:
 
 def blocks_prefix(prefix: str, fingerprint: str) -> str:
     """The key prefix (ending in ``/``) of one fingerprint's block objects."""
-    return fingerprint_prefix(prefix, fingerprint) + "blocks/"
+    return block_key_head(prefix, fingerprint)
 
 
 def list_blocks(backend: Backend, prefix: str, fingerprint: str) -> Iterator[BlockObject]:
