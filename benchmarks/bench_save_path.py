@@ -17,9 +17,12 @@ Each sample is a fresh random prompt against a manifest holding ``--manifest-key
 keys (its Bloom filter has a realistic size; no prompt block is in it). Median over samples:
 
 * ``save_path.pre_forward_ms`` (view + claim + alloc + meta + pickle), with every phase's
-  ``*_ms``, ``wait_for_save_ms`` and ``hand_off_ms``; context: ``tokens``, ``tokens_per_block``,
-  ``blocks``, ``saves`` (blocks planned), ``metadata_bytes``, ``codec_processes`` (the
-  hand-off's path: 0 is the I/O threads, the default).
+  ``*_ms``, ``wait_for_save_ms``, ``hand_off_ms`` and ``outcomes_ms`` (with codec
+  processes: the CPU time of their reader thread, which handles the saves' outcomes on the
+  engine's interpreter, from the hand-off until the saves have ended); context:
+  ``tokens``, ``tokens_per_block``, ``blocks``, ``saves`` (blocks planned),
+  ``metadata_bytes``, ``codec_processes`` (the hand-off's path: 0 is the I/O threads, the
+  default).
 
 Usage: ``python benchmarks/bench_save_path.py [--quick]``. To compare two versions of the code,
 run it with each on ``PYTHONPATH`` in the same session and compare the ratios.
@@ -36,6 +39,7 @@ import platform
 import statistics
 import sys
 import tempfile
+import threading
 import time
 from typing import Any
 
@@ -53,8 +57,23 @@ from s3kv.staging import NumpyAllocator
 from s3kv.storage import MemoryBackend
 from s3kv.store import KVStore
 
-PHASES = ("request_view", "claim", "alloc", "meta", "pickle", "wait_for_save", "hand_off")
-AFTER_FORWARD = ("wait_for_save", "hand_off")
+PHASES = (
+    "request_view", "claim", "alloc", "meta", "pickle", "wait_for_save", "hand_off", "outcomes",
+)  # fmt: skip
+AFTER_FORWARD = ("wait_for_save", "hand_off", "outcomes")
+
+
+def reader_cpu_seconds() -> float:
+    """CPU time so far of the codec processes' reader thread (0 without one): it shares the
+    engine's interpreter, so its time is time the engine's thread may wait for the GIL."""
+    for thread in threading.enumerate():
+        if thread.name.endswith("-read") and thread.native_id is not None:
+            try:
+                with open(f"/proc/self/task/{thread.native_id}/schedstat") as stats:
+                    return int(stats.read().split()[0]) / 1e9
+            except OSError:
+                return 0.0
+    return 0.0
 
 
 def emit(metric: str, value: float, unit: str, **extra: Any) -> None:
@@ -139,12 +158,14 @@ class Case:
             start_walks()  # NOTE: what wait_for_save starts on rank 0 (untimed: I/O side)
         core.request_finished(rid)
         t7 = time.perf_counter()
+        reader_before = reader_cpu_seconds()
         done = self.worker.finished([rid])  # NOTE: copies "done": the blocks go to the store
         t8 = time.perf_counter()
         assert done == [rid]
         self.store.flush(timeout=60)  # NOTE: the saves end before the next sample (untimed)
         time.sleep(0.01)  # NOTE: the I/O side's walk ends before the next sample
-        phases = (t1 - t0, t2 - t1, t3 - t2, t4 - t3, t5 - t4, t6 - t5, t8 - t7)
+        outcomes = reader_cpu_seconds() - reader_before
+        phases = (t1 - t0, t2 - t1, t3 - t2, t4 - t3, t5 - t4, t6 - t5, t8 - t7, outcomes)
         return dict(zip(PHASES, phases, strict=True)), len(meta.saves), len(wire)
 
 

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import enum
 import functools
+import itertools
 import logging
 import threading
 import time
@@ -68,6 +69,7 @@ from s3kv.offload import (
     FetchJob,
     Job,
     Outcome,
+    Outcomes,
     Placement,
     SaveJob,
     choose_cpus,
@@ -873,7 +875,8 @@ class KVStore:
         done = functools.partial(self._fetched_many, taken, object_keys, buffers)
         admitted = self.backend.admit_many("get", len(taken))
         if admitted < len(taken):
-            done([(i, _NOT_ADMITTED) for i in range(admitted, len(taken))])
+            refused = range(admitted, len(taken))
+            done(refused, Outcomes.of([_NOT_ADMITTED] * len(refused)))
         try:
             jobs: list[Job] = [
                 FetchJob(object_keys[i], arena.path, arena.slot_bytes, arena.slot_of(buffers[i]),
@@ -884,7 +887,7 @@ class KVStore:
                 return []
         except Exception:
             # NOTE: nothing was handed over: the slots and admissions are this thread's
-            done([(i, _NOT_SUBMITTED) for i in range(admitted)])
+            done(range(admitted), Outcomes.of([_NOT_SUBMITTED] * admitted))
             raise
         self.staging.release_many(buffers[:admitted])
         for _ in jobs:
@@ -896,30 +899,31 @@ class KVStore:
         keys: Sequence[BlockHash],
         object_keys: Sequence[str],
         buffers: Sequence[HostBuffer],
-        outcomes: Sequence[tuple[int, Outcome]],
+        indices: Sequence[int],
+        outcomes: Outcomes,
     ) -> None:
-        """Some of a batch's fetches ended: on the codec processes' reader thread, on the
-        thread that saw a process exit (its jobs), or on the I/O thread (refused ones).
+        """Some of a batch's fetches ended (``indices``, row by row with ``outcomes``): on the
+        codec processes' reader thread, on the thread that saw a process exit (its jobs), or
+        on the I/O thread (refused ones).
 
         In one pass: their requests recorded, the verified blocks inserted into staging
         under one lock, the rest's slots released, counters added once, the keys finished.
         """
-        requests: list[Recorded] = []
         staged: list[int] = []  # NOTE: indices of the verified blocks
         inserted: list[int] = []
         failed: list[tuple[int, CodecError | StorageError]] = []
         not_found = stored_bytes = 0
         try:
-            for index, outcome in outcomes:
-                error = self._outcome_error("get", outcome, requests)
+            errors = self._record_outcomes("get", outcomes)
+            for row, index in enumerate(indices):
+                error = errors[row] if errors is not None else None
                 if error is not None:
-                    failed.append((index, _as_fetch_failure(error)))
-                elif not outcome.found:
+                    failed.append((index, _as_failure(error)))
+                elif not outcomes.found[row]:
                     not_found += 1
                 else:
                     staged.append(index)
-                    stored_bytes += outcome.stored_len
-            self.backend.record_many("get", requests)
+                    stored_bytes += outcomes.stored_len[row]
             self._staged([(keys[i], buffers[i]) for i in staged], stored_bytes)
             inserted = staged
             if not_found:
@@ -928,8 +932,26 @@ class KVStore:
                 self._fetch_failed(keys[index], object_keys[index], exc)
         finally:
             kept = set(inserted)
-            self.staging.release_many([buffers[i] for i, _ in outcomes if i not in kept])
-            self._fetch_done_many([keys[i] for i, _ in outcomes])
+            self.staging.release_many([buffers[i] for i in indices if i not in kept])
+            self._fetch_done_many([keys[i] for i in indices])
+
+    def _record_outcomes(self, op: str, outcomes: Outcomes) -> list[S3KVError | None] | None:
+        """Record the requests the codec processes made for ``outcomes`` (``op``: get or put)
+        as if made here, and say what failed: None when nothing did (recorded in bulk: the
+        usual case), else each row's error, None where it did not fail."""
+        if outcomes.clean():
+            if op == "get":
+                self.backend.record_succeeded(
+                    op, outcomes.seconds, received=sum(outcomes.stored_len)
+                )
+            else:  # NOTE: a refused conditional PUT (not found) sent nothing that counts
+                sent = sum(itertools.compress(outcomes.stored_len, outcomes.found))
+                self.backend.record_succeeded(op, outcomes.seconds, sent=sent)
+            return None
+        requests: list[Recorded] = []
+        errors = [self._outcome_error(op, outcome, requests) for outcome in outcomes.rows()]
+        self.backend.record_many(op, requests)
+        return errors
 
     def _outcome_error(
         self, op: str, outcome: Outcome, requests: list[Recorded]
@@ -1259,7 +1281,8 @@ class KVStore:
         count = len(batch.keys)
         admitted = self.backend.admit_many("put", count)
         if admitted < count:
-            self._saves_done(batch, [(i, _NOT_ADMITTED) for i in range(admitted, count)])
+            refused = range(admitted, count)
+            self._saves_done(batch, refused, Outcomes.of([_NOT_ADMITTED] * len(refused)))
             if not admitted:
                 return True
         codec_id, level = int(self._codec), self.config.compression_level
@@ -1285,50 +1308,58 @@ class KVStore:
                 self.backend.withdraw()
             return False
         # NOTE: no process left: fail them as a dead process would (withdrawn there)
-        self._saves_done(batch, [(i, _NOT_SUBMITTED) for i in range(admitted)])
+        self._saves_done(batch, range(admitted), Outcomes.of([_NOT_SUBMITTED] * admitted))
         return True
 
-    def _saves_done(self, batch: _SaveBatch, outcomes: Sequence[tuple[int, Outcome]]) -> None:
-        """Some of a batch's saves ended (on a codec process's reader thread, or here).
+    def _saves_done(self, batch: _SaveBatch, indices: Sequence[int], outcomes: Outcomes) -> None:
+        """Some of a batch's saves ended (``indices``, row by row with ``outcomes``): on a
+        codec process's reader thread, or here.
 
-        In one pass: their buffers handed back, their requests recorded, the written keys
-        recorded in the manifest with one lock, counters added once, the keys finished.
+        In one pass, column by column (this runs on the engine's interpreter): their buffers
+        handed back, their requests recorded, the written keys recorded in the manifest with
+        one lock, counters added once, the keys finished.
         """
-        counts = dict.fromkeys(
-            ("save_completed", "save_raw_bytes", "save_stored_bytes", "save_skipped_existing",
-             "save_failed", "save_rewrote_quarantined"), 0,
-        )  # fmt: skip
-        requests: list[Recorded] = []
-        writes: list[tuple[BlockHash, BlockHash, int]] = []
         try:
-            for index, outcome in outcomes:
+            for index in indices:
                 consumed = batch.consumed[index]
                 if consumed is not None:
                     consumed()
-                error = self._outcome_error("put", outcome, requests)
-                if isinstance(error, StorageError | CodecError):
-                    counts["save_failed"] += 1
-                    self._log_failure("save", error)
-                    continue
-                key = batch.keys[index]
-                if index < len(batch.rewrite) and batch.rewrite[index]:
-                    self.quarantine.discard(key)
-                    counts["save_rewrote_quarantined"] += 1
-                # A refused conditional PUT means another instance wrote the same bytes: the
-                # key exists either way, so the manifest records it as written.
-                writes.append((key, batch.parents[index], outcome.stored_len))
-                if outcome.found:
-                    counts["save_completed"] += 1
-                    counts["save_raw_bytes"] += batch.nbytes
-                    counts["save_stored_bytes"] += outcome.stored_len
-                else:
-                    counts["save_skipped_existing"] += 1
-            self.backend.record_many("put", requests)
-            if writes:
-                self.manifest.record_writes(writes)
-            self.metrics.inc_many(counts)
+            errors = self._record_outcomes("put", outcomes)
+            rows: Sequence[int] = range(len(indices))
+            if errors is not None:
+                rows = [row for row, error in enumerate(errors) if error is None]
+                for error in errors:
+                    if error is not None:
+                        self._log_failure("save", _as_failure(error))
+            written = [indices[row] for row in rows]
+            rewrites = [i for i in written if i < len(batch.rewrite) and batch.rewrite[i]]
+            for index in rewrites:
+                self.quarantine.discard(batch.keys[index])
+            # NOTE: a refused conditional PUT (not found) means another instance wrote the
+            # same bytes: the key exists either way, so the manifest records it as written.
+            keys, parents, stored_len = batch.keys, batch.parents, outcomes.stored_len
+            if written:
+                self.manifest.record_writes(
+                    [
+                        (keys[i], parents[i], stored_len[r])
+                        for i, r in zip(written, rows, strict=True)
+                    ]
+                )
+            found = [outcomes.found[row] for row in rows]
+            completed = sum(found)
+            self.metrics.inc_many(
+                {
+                    "save_completed": completed,
+                    "save_raw_bytes": completed * batch.nbytes,
+                    "save_stored_bytes": sum(itertools.compress(
+                        [stored_len[row] for row in rows], found)),
+                    "save_skipped_existing": len(rows) - completed,
+                    "save_failed": len(indices) - len(rows),
+                    "save_rewrote_quarantined": len(rewrites),
+                }
+            )  # fmt: skip
         finally:
-            self._finish_saves([batch.keys[i] for i, _ in outcomes], batch.nbytes)
+            self._finish_saves([batch.keys[i] for i in indices], batch.nbytes)
 
     def _locate(self, data: object) -> tuple[SlabArena, int] | None:
         """The arena and slot ``data`` is (exactly one whole slot), if it is one."""
@@ -1477,9 +1508,9 @@ def _finish_open(
     return own
 
 
-def _as_fetch_failure(error: S3KVError) -> CodecError | StorageError:
-    """A fetch's failure as the kind :meth:`KVStore._fetch_failed` counts (an error of
-    another kind is a failed request: its slot is never inserted)."""
+def _as_failure(error: S3KVError) -> CodecError | StorageError:
+    """A codec process's failure as a kind the store counts and logs (an error of another
+    kind is a failed request: a fetch's slot is never inserted, a save is not recorded)."""
     if isinstance(error, CodecError | StorageError):
         return error
     return StorageError(str(error))

@@ -410,9 +410,10 @@ def test_a_batch_of_saves_is_handled_a_message_at_a_time_each_outcome_once(
     calls: list[list[int]] = []
     real = KVStore._saves_done
 
-    def spy(self: KVStore, batch: Any, outcomes: Any) -> None:
-        calls.append([index for index, _ in outcomes])
-        real(self, batch, outcomes)
+    def spy(self: KVStore, batch: Any, indices: Any, outcomes: Any) -> None:
+        assert len(indices) == len(outcomes)
+        calls.append(list(indices))
+        real(self, batch, indices, outcomes)
 
     monkeypatch.setattr(KVStore, "_saves_done", spy)
     ids = keys(64, salt=9)
@@ -481,9 +482,11 @@ def test_a_prefetch_goes_to_the_processes_in_batches_and_every_key_ends_once(
         batches.append(len(jobs))
         return real_submit(self, jobs, done)
 
-    def ended(self: KVStore, keys: Any, names: Any, buffers: Any, outcomes: Any) -> None:
-        delivered.extend(keys[i] for i, _ in outcomes)
-        real_done(self, keys, names, buffers, outcomes)
+    def ended(
+        self: KVStore, keys: Any, names: Any, buffers: Any, indices: Any, outcomes: Any
+    ) -> None:
+        delivered.extend(keys[i] for i in indices)
+        real_done(self, keys, names, buffers, indices, outcomes)
 
     monkeypatch.setattr(CodecProcesses, "submit_batch", submitted)
     monkeypatch.setattr(KVStore, "_fetched_many", ended)
@@ -623,7 +626,7 @@ def test_a_process_that_sends_garbage_is_stopped_and_the_others_go_on(
 
     def loads(data: bytes) -> Any:
         message = real_loads(data)
-        if isinstance(message, list) and not garbled[0]:
+        if isinstance(message, processes.Outcomes) and not garbled[0]:
             garbled[0] += 1
             raise ValueError("garbled")
         return message

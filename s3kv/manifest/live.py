@@ -339,12 +339,16 @@ class Manifest:
         """
         now = self._clock()
         records = [(bytes(k), bytes(p), now, int(n), KIND_WRITE, 1) for k, p, n in writes]
-        if any(len(r[0]) != HASH_BYTES or len(r[1]) != HASH_BYTES for r in records):
+        keys = [r[0] for r in records]
+        # NOTE: checked in C (map), not a generator: this runs per saved block, on the
+        # codec processes' reader thread, which shares the engine's interpreter.
+        lengths = {*map(len, keys), *map(len, [r[1] for r in records])}
+        if lengths - {HASH_BYTES}:
             raise ValueError(f"writes: keys and parents must be {HASH_BYTES} bytes")
         if not records:
             return
         with self._lock:
-            self._filter.add_local([r[0] for r in records])
+            self._filter.add_local(keys)
             self._queue.extend(records)
             self._maybe_wake()
 

@@ -2,7 +2,7 @@
 
 It reads pickled lists of ``(job_id, job)`` from the socket ``FD``, runs them on its own
 threads (its own interpreter, its own GIL, its own bucket client) and writes back pickled
-lists of :class:`~s3kv.offload.jobs.Outcome`, as many as are ready per message.
+:class:`~s3kv.offload.jobs.Outcomes`, as many as are ready per message.
 
 The first message is the setup: ``(config, secrets, sealing_id, accept_unsigned, threads)``.
 Then it answers ``("ready",)``, or ``("setup_failed", line)`` and exits.
@@ -27,7 +27,7 @@ from s3kv.arena import SlabArena
 from s3kv.auth import Keyring
 from s3kv.config import S3KVConfig
 from s3kv.offload import work
-from s3kv.offload.jobs import Failure, FetchJob, Job, Outcome
+from s3kv.offload.jobs import Failure, FetchJob, Job, Outcome, Outcomes
 from s3kv.storage import Backend, open_backend
 
 #: How long the sender lets a fetch's outcome wait for others (far below a GET's time).
@@ -88,7 +88,8 @@ class _Replies:
             with self._cond:
                 batch, self._ready, self._urgent = self._ready, [], False
             try:
-                self._conn.send_bytes(pickle.dumps(batch, pickle.HIGHEST_PROTOCOL))
+                message = pickle.dumps(Outcomes.of(batch), pickle.HIGHEST_PROTOCOL)
+                self._conn.send_bytes(message)
             except OSError:
                 os._exit(0)  # NOTE: the store is gone; nobody needs the rest
 

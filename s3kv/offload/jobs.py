@@ -7,7 +7,10 @@ shared-memory arena (:class:`~s3kv.arena.SlabArena`) by the arena's path and the
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
+from itertools import chain
+from typing import Any, NamedTuple
 
 from s3kv import errors
 
@@ -109,4 +112,62 @@ class Outcome(NamedTuple):
     codec_error: Failure | None
 
 
-__all__ = ["Failure", "FetchJob", "Job", "Outcome", "SaveJob"]
+@dataclass(frozen=True, slots=True)
+class Outcomes:
+    """Several jobs' outcomes, one list per field of :class:`Outcome` (row ``i``: one job).
+
+    The form outcomes cross the socket and reach the store's bookkeeping in: a message of
+    many outcomes unpickles as seven lists of builtins (C speed) rather than an object per
+    job, and the store handles a batch column by column. That work runs on the engine's
+    interpreter: 256 saves' outcomes as rows cost it 3.8 ms per prompt
+    (``benchmarks/bench_save_path.py``, ``outcomes_ms``).
+    """
+
+    job_id: list[int]
+    requested: list[bool]
+    seconds: list[float]
+    request_error: list[Failure | None]
+    found: list[bool]
+    stored_len: list[int]
+    codec_error: list[Failure | None]
+
+    @classmethod
+    def of(cls, rows: Iterable[Outcome]) -> Outcomes:
+        """The columns of ``rows``."""
+        columns = list(zip(*rows, strict=True))
+        if not columns:
+            return cls([], [], [], [], [], [], [])
+        return cls(*(list(column) for column in columns))
+
+    @classmethod
+    def joined(cls, parts: Sequence[Outcomes]) -> Outcomes:
+        """The rows of ``parts``, in order (``parts[0]`` itself when it is the only one)."""
+        if len(parts) == 1:
+            return parts[0]
+        columns = zip(*(part.columns() for part in parts), strict=True)
+        return cls(*(list(chain.from_iterable(column)) for column in columns))
+
+    def columns(self) -> tuple[list[Any], ...]:
+        """The seven lists, in the order of :class:`Outcome`'s fields."""
+        return (
+            self.job_id, self.requested, self.seconds, self.request_error, self.found,
+            self.stored_len, self.codec_error,
+        )  # fmt: skip
+
+    def __len__(self) -> int:
+        return len(self.job_id)
+
+    def rows(self) -> Iterator[Outcome]:
+        """Each row as an :class:`Outcome`."""
+        return map(Outcome._make, zip(*self.columns(), strict=True))
+
+    def take(self, positions: Sequence[int]) -> Outcomes:
+        """The rows at ``positions``, in that order."""
+        return Outcomes(*([column[p] for p in positions] for column in self.columns()))
+
+    def clean(self) -> bool:
+        """Every job made its request and nothing failed (the common case, handled in bulk)."""
+        return all(self.requested) and not any(self.request_error) and not any(self.codec_error)
+
+
+__all__ = ["Failure", "FetchJob", "Job", "Outcome", "Outcomes", "SaveJob"]

@@ -10,11 +10,13 @@ slots of shared memory (:class:`~s3kv.arena.SlabArena`) the store's process maps
 
 Costs here, per block: one tuple into a list (:meth:`CodecProcesses.submit_batch`, from any
 thread), a share of one pickled message each way, and its share of one callback on the
-reader thread. Jobs and outcomes are batched per message. One reader thread serves every
-process: each time it wakes it reads one message from every process that has one, and the
-outcomes of a batch submitted together (:meth:`CodecProcesses.submit_batch`) reach their
-callback together, once per wake-up. So the busier the processes, the more outcomes the
-engine's interpreter handles per pass, and no thread per process competes for its GIL.
+reader thread. Jobs and outcomes are batched per message; outcomes travel column by column
+(:class:`~s3kv.offload.jobs.Outcomes`), so a message unpickles as a few lists, not an object
+per job. One reader thread serves every process: each time it wakes it reads one message
+from every process that has one, and the outcomes of a batch submitted together
+(:meth:`CodecProcesses.submit_batch`) reach their callback together, once per wake-up. So
+the busier the processes, the more outcomes the engine's interpreter handles per pass, and
+no thread per process competes for its GIL.
 
 Safety: a slot given to a job is written (or read) by that job's process until its outcome
 arrives, so the caller must not reuse it before. When a process dies, its outstanding jobs
@@ -41,7 +43,7 @@ from multiprocessing.connection import Connection
 from s3kv.auth import Keyring
 from s3kv.config import S3KVConfig
 from s3kv.offload import affinity
-from s3kv.offload.jobs import Failure, Job, Outcome
+from s3kv.offload.jobs import Failure, Job, Outcome, Outcomes
 
 logger = logging.getLogger(__name__)
 
@@ -51,8 +53,9 @@ _MALLOC_THRESHOLD = 64 * 1024 * 1024
 #: Seconds :meth:`CodecProcesses.close` gives a process to exit after its socket closes.
 _EXIT_GRACE = 5.0
 
-#: Called with ``(index in the batch, outcome)`` pairs, for some of a batch's jobs each time.
-BatchDone = Callable[[Sequence[tuple[int, Outcome]]], None]
+#: Called with some of a batch's jobs each time: their indices in the batch, and their
+#: outcomes in the same order.
+BatchDone = Callable[[Sequence[int], Outcomes], None]
 #: Who waits for a job: its batch's callback and the job's index in the batch.
 _Waiter = tuple[BatchDone, int]
 
@@ -143,8 +146,11 @@ class CodecProcesses:
     def _spawn(index: int) -> _Child:
         ours, theirs = socket.socketpair()
         env = dict(os.environ)
-        # NOTE: the child imports s3kv from wherever this process did (a source tree too).
+        # NOTE: the child imports s3kv from wherever this process did (a source tree too),
+        # and not from its working directory, which ``-m`` would put first (Python >= 3.11):
+        # an s3kv checkout of another version there would speak another protocol.
         env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
+        env["PYTHONSAFEPATH"] = "1"
         # NOTE: glibc serves each GET's body (over its 128 KiB mmap threshold) from fresh
         # pages and unmaps them on free: ~250 page faults per block in the process. Kept in
         # its heap instead, the next block reuses them (1.5x staging per process measured).
@@ -203,10 +209,11 @@ class CodecProcesses:
     def submit_batch(self, jobs: Sequence[Job], done: BatchDone) -> bool:
         """Queue ``jobs``, spread over the live processes: one lock, one wake-up.
 
-        ``done(pairs)`` runs with ``(index in jobs, outcome)`` pairs, on the reader thread (or,
-        for a process that died, the thread that saw it exit; so two calls for one batch may
-        run at once, each with other indices): every job's outcome is in exactly one call,
-        and a call holds all of them that arrived together (so, usually, many). All or
+        ``done(indices, outcomes)`` runs with indices into ``jobs`` and their outcomes, row by
+        row, on the reader thread (or, for a process that died, the thread that saw it exit;
+        so two calls for one batch may run at once, each with other indices): every job's
+        outcome is in exactly one call, and a call holds all of them that arrived together
+        (so, usually, many). All or
         nothing: ``False`` (``done`` never called) when closing or no process is alive.
         ``done`` must not raise nor call :meth:`close`.
         """
@@ -244,7 +251,7 @@ class CodecProcesses:
         while live:
             # NOTE: only _died closes a connection, after it has left ``live``
             ready = connection.wait(list(live))
-            arrived: list[tuple[_Waiter, Outcome]] = []
+            arrived: list[tuple[Outcomes, list[_Waiter | None]]] = []
             for conn in ready:
                 child = live[conn]  # type: ignore[index]
                 ended = self._read_one(child, arrived)
@@ -253,13 +260,18 @@ class CodecProcesses:
                     self._bury(child, ended)
             # NOTE: one pass of callbacks and one notification per wake-up, however many
             # messages arrived: this thread shares the engine's interpreter.
-            _deliver_all(arrived)
+            if arrived:
+                _deliver_all(
+                    Outcomes.joined([o for o, _ in arrived]), [w for _, ws in arrived for w in ws]
+                )
             with self._lock:
                 self._changed.notify_all()
 
-    def _read_one(self, child: _Child, arrived: list[tuple[_Waiter, Outcome]]) -> str | None:
-        """Read one message of ``child``: outcomes go to ``arrived``. Returns why the
-        process ended when it did, else None."""
+    def _read_one(
+        self, child: _Child, arrived: list[tuple[Outcomes, list[_Waiter | None]]]
+    ) -> str | None:
+        """Read one message of ``child``: its outcomes and their waiters go to ``arrived``.
+        Returns why the process ended when it did, else None."""
         try:
             message = pickle.loads(child.conn.recv_bytes())
             if isinstance(message, tuple) and message[:1] == ("setup_failed",):
@@ -268,16 +280,16 @@ class CodecProcesses:
                 with self._lock:
                     child.ready = True
                 return None
-            outcomes = [o for o in message if isinstance(o, Outcome)]
+            if not isinstance(message, Outcomes):
+                raise TypeError(f"not outcomes: {type(message).__name__}")
         except (EOFError, OSError):
             return "exited"
         except Exception as exc:  # NOTE: one garbled process must not stop the reader
             return f"sent an unreadable message ({type(exc).__name__}: {exc})"
         with self._lock:
-            for outcome in outcomes:
-                waiter = child.pending.pop(outcome.job_id, None)
-                if waiter is not None:
-                    arrived.append((waiter, outcome))
+            pop = child.pending.pop
+            waiters = [pop(job_id, None) for job_id in message.job_id]
+        arrived.append((message, waiters))
         return None
 
     def _bury(self, child: _Child, reason: str) -> None:
@@ -318,7 +330,8 @@ class CodecProcesses:
             )
         failure = Failure("StorageError", f"codec process {reason}", "codec")
         _deliver_all(
-            [(w, Outcome(i, False, 0.0, failure, False, 0, None)) for i, w in orphans.items()]
+            Outcomes.of(Outcome(i, False, 0.0, failure, False, 0, None) for i in orphans),
+            list(orphans.values()),
         )
         child.conn.close()
         child.sock.close()
@@ -349,21 +362,27 @@ class CodecProcesses:
         return drained
 
 
-def _deliver_all(outcomes: Sequence[tuple[_Waiter, Outcome]]) -> None:
-    """Each batch's callback once, with the pairs of its jobs among ``outcomes``."""
-    batches: dict[int, tuple[BatchDone, list[tuple[int, Outcome]]]] = {}
-    for (done, index), outcome in outcomes:
+def _deliver_all(outcomes: Outcomes, waiters: Sequence[_Waiter | None]) -> None:
+    """Each batch's callback once, with the rows of ``outcomes`` that are its jobs'
+    (``waiters[i]`` waits for row ``i``; None: nobody does any more)."""
+    batches: dict[int, tuple[BatchDone, list[int], list[int]]] = {}
+    for row, waiter in enumerate(waiters):
+        if waiter is None:
+            continue
+        done, index = waiter
         batch = batches.get(id(done))
-        if batch is None:  # NOTE: not setdefault: it would build a pair for every outcome
-            batch = batches[id(done)] = (done, [])
-        batch[1].append((index, outcome))
-    for done, pairs in batches.values():
-        _call(done, pairs)
+        if batch is None:  # NOTE: not setdefault: it would build a tuple for every outcome
+            batch = batches[id(done)] = (done, [], [])
+        batch[1].append(index)
+        batch[2].append(row)
+    for done, indices, rows in batches.values():
+        # NOTE: one batch's whole message (the usual case) is passed as it came
+        _call(done, indices, outcomes if len(rows) == len(outcomes) else outcomes.take(rows))
 
 
-def _call(done: Callable[..., None], argument: object) -> None:
+def _call(done: BatchDone, indices: Sequence[int], outcomes: Outcomes) -> None:
     try:
-        done(argument)
+        done(indices, outcomes)
     except Exception:  # NOTE: a failing callback must not stop the reader
         logger.exception("s3kv: handling a codec process's outcome failed")
 

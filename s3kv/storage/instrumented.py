@@ -129,8 +129,7 @@ class InstrumentedBackend(DelegatingBackend):
         """:meth:`record` for many requests, in order, with one registry lock per metric."""
         if not results:
             return
-        self.metrics.inc("requests", len(results), op=op)
-        self.metrics.observe_many("request_seconds", [r.seconds for r in results], op=op)
+        self._count(op, [r.seconds for r in results])
         breaker = self.breaker
         received = sent = 0
         succeeded = False  # NOTE: a run of successes is reported once, in its place
@@ -147,6 +146,22 @@ class InstrumentedBackend(DelegatingBackend):
         if succeeded and breaker is not None:
             breaker.record_success()
         self.metrics.inc_many({"bytes_received": received, "bytes_sent": sent})
+
+    def record_succeeded(
+        self, op: str, seconds: Sequence[float], *, received: int = 0, sent: int = 0
+    ) -> None:
+        """:meth:`record_many` for requests that all succeeded, taking ``seconds[i]`` each and
+        ``received`` / ``sent`` bytes in all: no object per request."""
+        if not seconds:
+            return
+        self._count(op, seconds)
+        if self.breaker is not None:
+            self.breaker.record_success()
+        self.metrics.inc_many({"bytes_received": received, "bytes_sent": sent})
+
+    def _count(self, op: str, seconds: Sequence[float]) -> None:
+        self.metrics.inc("requests", len(seconds), op=op)
+        self.metrics.observe_many("request_seconds", seconds, op=op)
 
     def get(self, key: str, *, max_bytes: int | None = None) -> bytes | None:
         # NOTE: an object refused for max_bytes counts as request_errors{op=get,
