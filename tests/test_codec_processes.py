@@ -401,6 +401,23 @@ def test_a_strided_view_the_size_of_a_slot_is_not_taken_for_the_slot(
     assert store._locate(slot) is not None
 
 
+def test_a_slot_found_once_is_found_again_and_other_views_are_not_mistaken_for_it(
+    bucket: Path, open_stores: list[KVStore]
+) -> None:
+    store = open_store(file_config(bucket), open_stores)
+    arena = store.save_arena(NBYTES, 4 * NBYTES)
+    assert arena is not None
+    first, second = arena.allocate(NBYTES), arena.allocate(NBYTES)
+    for _ in range(2):  # NOTE: the second time from the table
+        assert store._locate(first) == (arena, arena.slot_of(first))
+        assert store._locate(second) == (arena, arena.slot_of(second))
+    assert store._locate(first.reshape(64, -1).T) is None  # NOTE: the same bytes, strided
+    assert store._locate(first[1:]) is None
+    assert store._locate(np.zeros(NBYTES, dtype=np.uint8)) is None
+    again = arena.view(arena.slot_of(first))  # NOTE: another view of the slot
+    assert store._locate(again) == (arena, arena.slot_of(first))
+
+
 def test_a_batch_of_saves_is_handled_a_message_at_a_time_each_outcome_once(
     bucket: Path, open_stores: list[KVStore], monkeypatch: pytest.MonkeyPatch
 ) -> None:

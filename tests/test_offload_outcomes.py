@@ -6,7 +6,7 @@ import pickle
 from collections.abc import Sequence
 
 from s3kv.keys import BlockHash
-from s3kv.offload import Failure, Outcome, Outcomes
+from s3kv.offload import Failure, Outcome, Outcomes, SaveJob, SaveJobs
 from s3kv.offload.processes import _deliver_all
 from s3kv.storage import MemoryBackend
 from s3kv.store import _SaveBatch
@@ -36,6 +36,21 @@ def test_columns_hold_the_rows_they_were_made_of_through_a_pickled_trip() -> Non
     assert Outcomes.joined(parts[:1]) is parts[0]
     assert len(Outcomes.of([])) == 0
     assert list(Outcomes.of([]).rows()) == []
+
+
+def test_save_jobs_in_columns_expand_to_the_jobs_they_stand_for_in_any_share() -> None:
+    jobs = SaveJobs(
+        "/proc/1/fd/3", 4096, 4000, "bfloat16", (2, 1000), 1, 3,
+        ["a", "b", "c"], [7, 2, 5], [True, False, True],
+    )  # fmt: skip
+    expanded = list(pickle.loads(pickle.dumps(jobs, pickle.HIGHEST_PROTOCOL)).jobs())
+    assert expanded == [
+        SaveJob(key, "/proc/1/fd/3", 4096, slot, 4000, "bfloat16", (2, 1000), 1, 3, if_absent)
+        for key, slot, if_absent in (("a", 7, True), ("b", 2, False), ("c", 5, True))
+    ]
+    assert len(jobs) == 3
+    assert list(jobs.rows(1, 3).jobs()) == expanded[1:]
+    assert list(jobs.rows(0, 0).jobs()) == []
 
 
 def test_only_rows_that_all_made_their_request_and_all_succeeded_are_clean() -> None:

@@ -2,9 +2,9 @@
 
 Parts (users import this front, never the parts):
 
-* ``jobs`` — :class:`FetchJob`, :class:`SaveJob`, :class:`Outcome` and :class:`Outcomes` (many
-  outcomes, column by column): what crosses between a store and its processes (builtins;
-  block bytes stay in shared memory).
+* ``jobs`` — :class:`FetchJob`, :class:`SaveJob`, :class:`SaveJobs` (many saves, column by
+  column), :class:`Outcome` and :class:`Outcomes` (many outcomes): what crosses between a
+  store and its processes (builtins; block bytes stay in shared memory).
 * ``processes`` — :class:`CodecProcesses`, the store's side: starts the processes, batches
   jobs to them, delivers outcomes, and survives their death.
 * ``child`` — the process itself (``python -m s3kv.offload.child FD``).
@@ -16,7 +16,7 @@ A store uses them when ``codec_processes`` > 0 (:mod:`s3kv.store`).
 """
 
 from s3kv.offload.affinity import Placement, choose_cpus, log_placement
-from s3kv.offload.jobs import Failure, FetchJob, Job, Outcome, Outcomes, SaveJob
+from s3kv.offload.jobs import Failure, FetchJob, Job, Outcome, Outcomes, SaveJob, SaveJobs
 from s3kv.offload.processes import CodecProcesses
 from s3kv.offload.work import open_stored
 
@@ -29,6 +29,7 @@ __all__ = [
     "Outcomes",
     "Placement",
     "SaveJob",
+    "SaveJobs",
     "choose_cpus",
     "log_placement",
     "open_stored",

@@ -1,8 +1,9 @@
 """A codec process: ``python -m s3kv.offload.child FD``, started by :class:`CodecProcesses`.
 
-It reads pickled lists of ``(job_id, job)`` from the socket ``FD``, runs them on its own
-threads (its own interpreter, its own GIL, its own bucket client) and writes back pickled
-:class:`~s3kv.offload.jobs.Outcomes`, as many as are ready per message.
+It reads pickled lists of ``(job_id, job)`` from the socket ``FD`` (a
+:class:`~s3kv.offload.jobs.SaveJobs` item holds several jobs, numbered from ``job_id`` on),
+runs them on its own threads (its own interpreter, its own GIL, its own bucket client) and
+writes back pickled :class:`~s3kv.offload.jobs.Outcomes`, as many as are ready per message.
 
 The first message is the setup: ``(config, secrets, sealing_id, accept_unsigned, threads)``.
 Then it answers ``("ready",)``, or ``("setup_failed", line)`` and exits.
@@ -27,7 +28,7 @@ from s3kv.arena import SlabArena
 from s3kv.auth import Keyring
 from s3kv.config import S3KVConfig
 from s3kv.offload import work
-from s3kv.offload.jobs import Failure, FetchJob, Job, Outcome, Outcomes
+from s3kv.offload.jobs import Failure, FetchJob, Job, Outcome, Outcomes, SaveJobs
 from s3kv.storage import Backend, open_backend
 
 #: How long the sender lets a fetch's outcome wait for others (far below a GET's time).
@@ -158,8 +159,12 @@ def main(fd: int) -> None:
             batch = pickle.loads(conn.recv_bytes())
         except (EOFError, OSError):
             os._exit(0)  # NOTE: daemon threads may be mid-request: leave without waiting
-        for item in batch:
-            jobs.put(item)
+        for first, job in batch:
+            if isinstance(job, SaveJobs):  # NOTE: many saves in one item; ids follow on
+                for row, save in enumerate(job.jobs()):
+                    jobs.put((first + row, save))
+            else:
+                jobs.put((first, job))
 
 
 __all__ = ["main"]

@@ -7,6 +7,7 @@ shared-memory arena (:class:`~s3kv.arena.SlabArena`) by the arena's path and the
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from itertools import chain
@@ -59,6 +60,50 @@ class SaveJob(NamedTuple):
     codec: int
     level: int
     if_absent: bool
+
+
+@dataclass(frozen=True, slots=True)
+class SaveJobs:
+    """Several :class:`SaveJob` of one arena, size, dtype, shape and codec: one item of a
+    message, a list per field that differs (row ``i``: one job).
+
+    How a batch of saves crosses to a codec process: one object of a few lists pickles and
+    unpickles at C speed, where a :class:`SaveJob` per block cost the engine's interpreter
+    an object each way (the process expands it, on its own interpreter: :meth:`jobs`).
+    """
+
+    arena: str
+    slot_bytes: int
+    nbytes: int
+    dtype: str
+    shape: tuple[int, ...]
+    codec: int
+    level: int
+    object_keys: list[str]
+    slots: list[int]
+    if_absent: list[bool]
+
+    def __len__(self) -> int:
+        return len(self.object_keys)
+
+    def rows(self, start: int, stop: int) -> SaveJobs:
+        """Rows ``start`` to ``stop`` (excluded)."""
+        return dataclasses.replace(
+            self,
+            object_keys=self.object_keys[start:stop],
+            slots=self.slots[start:stop],
+            if_absent=self.if_absent[start:stop],
+        )
+
+    def jobs(self) -> Iterator[SaveJob]:
+        """Each row as a :class:`SaveJob`."""
+        for object_key, slot, if_absent in zip(
+            self.object_keys, self.slots, self.if_absent, strict=True
+        ):
+            yield SaveJob(
+                object_key, self.arena, self.slot_bytes, slot, self.nbytes, self.dtype,
+                self.shape, self.codec, self.level, if_absent,
+            )  # fmt: skip
 
 
 Job = FetchJob | SaveJob
@@ -170,4 +215,4 @@ class Outcomes:
         return all(self.requested) and not any(self.request_error) and not any(self.codec_error)
 
 
-__all__ = ["Failure", "FetchJob", "Job", "Outcome", "Outcomes", "SaveJob"]
+__all__ = ["Failure", "FetchJob", "Job", "Outcome", "Outcomes", "SaveJob", "SaveJobs"]

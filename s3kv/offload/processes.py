@@ -27,7 +27,6 @@ it. No job ever waits on a timer.
 from __future__ import annotations
 
 import contextlib
-import itertools
 import logging
 import os
 import pickle
@@ -43,7 +42,7 @@ from multiprocessing.connection import Connection
 from s3kv.auth import Keyring
 from s3kv.config import S3KVConfig
 from s3kv.offload import affinity
-from s3kv.offload.jobs import Failure, Job, Outcome, Outcomes
+from s3kv.offload.jobs import Failure, Job, Outcome, Outcomes, SaveJobs
 
 logger = logging.getLogger(__name__)
 
@@ -68,7 +67,7 @@ class _Child:
     sock: socket.socket
     alive: bool = True
     ready: bool = False  # NOTE: set up (bucket client open); jobs go to ready ones first
-    outbox: list[tuple[int, Job]] = field(default_factory=list)
+    outbox: list[tuple[int, Job | SaveJobs]] = field(default_factory=list)
     pending: dict[int, _Waiter] = field(default_factory=dict)
 
 
@@ -117,7 +116,7 @@ class CodecProcesses:
         self._lock = threading.Lock()
         self._wake = threading.Condition(self._lock)  # the sender: jobs to send, or closing
         self._changed = threading.Condition(self._lock)  # a process set up, drained or died
-        self._ids = itertools.count()
+        self._next_id = 0  # NOTE: job ids, under the lock
         self._closing = False
         secrets = dict(keyring.secrets) if keyring is not None else {}
         setup = (
@@ -206,26 +205,41 @@ class CodecProcesses:
 
     # --- jobs ---
 
-    def submit_batch(self, jobs: Sequence[Job], done: BatchDone) -> bool:
+    def submit_batch(self, jobs: Sequence[Job] | SaveJobs, done: BatchDone) -> bool:
         """Queue ``jobs``, spread over the live processes: one lock, one wake-up.
+
+        A :class:`~s3kv.offload.jobs.SaveJobs` goes as one item per process (a contiguous
+        share of its rows), the cheap form for a prompt's saves.
 
         ``done(indices, outcomes)`` runs with indices into ``jobs`` and their outcomes, row by
         row, on the reader thread (or, for a process that died, the thread that saw it exit;
         so two calls for one batch may run at once, each with other indices): every job's
         outcome is in exactly one call, and a call holds all of them that arrived together
-        (so, usually, many). All or
-        nothing: ``False`` (``done`` never called) when closing or no process is alive.
-        ``done`` must not raise nor call :meth:`close`.
+        (so, usually, many). All or nothing: ``False`` (``done`` never called) when closing
+        or no process is alive. ``done`` must not raise nor call :meth:`close`.
         """
         with self._lock:
             live = sorted(self._takers(), key=lambda c: len(c.pending))
             if self._closing or not live:
                 return False
-            for i, job in enumerate(jobs):
-                child = live[i % len(live)]
-                job_id = next(self._ids)
-                child.pending[job_id] = (done, i)
-                child.outbox.append((job_id, job))
+            if isinstance(jobs, SaveJobs):
+                # NOTE: a contiguous share of rows per process, one item each; its jobs'
+                # ids are consecutive from the item's (the process numbers them so).
+                count, shares = len(jobs), min(len(live), len(jobs))
+                for k, child in enumerate(live[:shares]):
+                    start, stop = k * count // shares, (k + 1) * count // shares
+                    first = self._next_id
+                    self._next_id += stop - start
+                    child.pending.update(
+                        (first + row, (done, start + row)) for row in range(stop - start)
+                    )
+                    child.outbox.append((first, jobs.rows(start, stop)))
+            else:
+                for i, job in enumerate(jobs):
+                    child = live[i % len(live)]
+                    child.pending[self._next_id] = (done, i)
+                    child.outbox.append((self._next_id, job))
+                    self._next_id += 1
             self._wake.notify()
         return True
 
