@@ -135,7 +135,13 @@ def main() -> int:
     parser.add_argument("--bursts", type=int, default=6)
     parser.add_argument("--burst-ms", type=float, default=1.0)
     parser.add_argument("--gap-ms", type=float, default=8.0)
+    parser.add_argument(
+        "--variants", default=",".join(VARIANTS), help="some of " + ", ".join(VARIANTS)
+    )
     args = parser.parse_args()
+    variants = tuple(v for v in VARIANTS if v in args.variants.split(","))
+    if "none" not in variants:
+        raise SystemExit("Error: --variants must include none (the reference)")
     if not torch.cuda.is_available():
         print("gpu_decode_interference: needs CUDA", file=sys.stderr)
         return 2
@@ -160,21 +166,22 @@ def main() -> int:
     blocks = 2 * pool_blocks({"prefix_tokens": PREFIX_TOKENS})
     with_connector = executor_for(label, llama, connector=True, num_blocks=blocks)
     without = executor_for(label, llama, connector=False, num_blocks=blocks)
-    drawn = prompts(shape["vocab"], PREFIX_TOKENS, args.trials * len(VARIANTS))
+    drawn = prompts(shape["vocab"], PREFIX_TOKENS, args.trials * len(variants))
     warm_up(with_connector, *drawn["warmup"]["writer"])
     warm_up(without, *drawn["warmup"]["writer"])
-    walls: dict[str, list[list[float]]] = {v: [] for v in VARIANTS}
-    cpus: dict[str, list[list[float]]] = {v: [] for v in VARIANTS}
+    walls: dict[str, list[list[float]]] = {v: [] for v in variants}
+    cpus: dict[str, list[list[float]]] = {v: [] for v in variants}
     trial_prompts = iter(drawn["trials"])
     for trial in range(args.trials):
-        for variant in VARIANTS[trial % 4 :] + VARIANTS[: trial % 4]:
+        turn = trial % len(variants)
+        for variant in variants[turn:] + variants[:turn]:
             prefix, suffix, _, _ = next(trial_prompts)
             executor = with_connector if variant == "connector" else without
             wall, cpu = one_request(executor, prefix + suffix, variant, pipes, args)
             walls[variant].append(wall)
             cpus[variant].append(cpu)
-    totals = {v: statistics.median(sum(run) for run in walls[v]) for v in VARIANTS}
-    for variant in VARIANTS:
+    totals = {v: statistics.median(sum(run) for run in walls[v]) for v in variants}
+    for variant in variants:
         row = {
             "metric": "gpu.decode_interference_ms", "value": round(totals[variant], 2),
             "unit": "ms", "variant": variant,
