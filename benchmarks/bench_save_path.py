@@ -17,9 +17,10 @@ Each sample is a fresh random prompt against a manifest holding ``--manifest-key
 keys (its Bloom filter has a realistic size; no prompt block is in it). Median over samples:
 
 * ``save_path.pre_forward_ms`` (view + claim + alloc + meta + pickle), with every phase's
-  ``*_ms``, ``wait_for_save_ms``, ``hand_off_ms`` and ``outcomes_ms`` (with codec
-  processes: the CPU time of their reader thread, which handles the saves' outcomes on the
-  engine's interpreter, from the hand-off until the saves have ended); context:
+  ``*_ms``, ``wait_for_save_ms``, ``hand_off_ms``, ``sending_ms`` and ``outcomes_ms``
+  (with codec processes: the CPU time of their sender thread, which pickles the jobs, and of
+  their reader thread, which handles the saves' outcomes, both on the engine's interpreter,
+  from the hand-off until the saves have ended); context:
   ``tokens``, ``tokens_per_block``, ``blocks``, ``saves`` (blocks planned),
   ``metadata_bytes``, ``codec_processes`` (the hand-off's path: 0 is the I/O threads, the
   default).
@@ -58,16 +59,18 @@ from s3kv.storage import MemoryBackend
 from s3kv.store import KVStore
 
 PHASES = (
-    "request_view", "claim", "alloc", "meta", "pickle", "wait_for_save", "hand_off", "outcomes",
+    "request_view", "claim", "alloc", "meta", "pickle", "wait_for_save", "hand_off", "sending",
+    "outcomes",
 )  # fmt: skip
-AFTER_FORWARD = ("wait_for_save", "hand_off", "outcomes")
+AFTER_FORWARD = ("wait_for_save", "hand_off", "sending", "outcomes")
 
 
-def reader_cpu_seconds() -> float:
-    """CPU time so far of the codec processes' reader thread (0 without one): it shares the
-    engine's interpreter, so its time is time the engine's thread may wait for the GIL."""
+def codec_thread_cpu_seconds(role: str) -> float:
+    """CPU time so far of the codec processes' ``read`` or ``send`` thread (0 without one):
+    they share the engine's interpreter, so their time is time the engine's thread may wait
+    for the GIL."""
     for thread in threading.enumerate():
-        if thread.name.endswith("-read") and thread.native_id is not None:
+        if thread.name.endswith(f"-{role}") and thread.native_id is not None:
             try:
                 with open(f"/proc/self/task/{thread.native_id}/schedstat") as stats:
                     return int(stats.read().split()[0]) / 1e9
@@ -158,14 +161,16 @@ class Case:
             start_walks()  # NOTE: what wait_for_save starts on rank 0 (untimed: I/O side)
         core.request_finished(rid)
         t7 = time.perf_counter()
-        reader_before = reader_cpu_seconds()
+        reader_before = codec_thread_cpu_seconds("read")
+        sender_before = codec_thread_cpu_seconds("send")
         done = self.worker.finished([rid])  # NOTE: copies "done": the blocks go to the store
         t8 = time.perf_counter()
         assert done == [rid]
         self.store.flush(timeout=60)  # NOTE: the saves end before the next sample (untimed)
         time.sleep(0.01)  # NOTE: the I/O side's walk ends before the next sample
-        outcomes = reader_cpu_seconds() - reader_before
-        phases = (t1 - t0, t2 - t1, t3 - t2, t4 - t3, t5 - t4, t6 - t5, t8 - t7, outcomes)
+        outcomes = codec_thread_cpu_seconds("read") - reader_before
+        sending = codec_thread_cpu_seconds("send") - sender_before
+        phases = (t1 - t0, t2 - t1, t3 - t2, t4 - t3, t5 - t4, t6 - t5, t8 - t7, sending, outcomes)
         return dict(zip(PHASES, phases, strict=True)), len(meta.saves), len(wire)
 
 
