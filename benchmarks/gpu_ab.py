@@ -512,6 +512,20 @@ def reader(rank: int, world: int, job: dict[str, Any]) -> dict[str, Any]:
     }  # fmt: skip
 
 
+def connector_settings(
+    bucket: str, name: str, staging: str, codec_processes: int
+) -> dict[str, str]:
+    """The connector's settings (its environment) in the benchmarks: a ``file://`` bucket
+    named ``name`` in the folder ``bucket``, ``staging`` bytes, ``codec_processes``."""
+    return {
+        "TLLM_S3KV_ENDPOINT_URL": f"file://{bucket}", "TLLM_S3KV_BUCKET": name,
+        "TLLM_S3KV_MODEL_REVISION": f"random-seed-{SEED}",
+        "TLLM_S3KV_MANIFEST_COMPACTION": "off",  # NOTE: a 20 s maintenance cycle, no load
+        "TLLM_S3KV_STAGING_BYTES": staging,
+        "TLLM_S3KV_CODEC_PROCESSES": str(codec_processes),
+    }  # fmt: skip
+
+
 def _one_rank() -> None:
     """TensorRT-LLM at TP=1: the leader's answers need no collective (no gloo round trips).
 
@@ -685,14 +699,11 @@ def run_shape(label: str, shape: dict[str, Any], args: argparse.Namespace) -> di
     # memory (tmpfs) neither do these. Two runs of each on an H100 host did not tell the two
     # apart: the spread between trials is larger (benchmarks/results/gpu_2026-11-27*).
     with tempfile.TemporaryDirectory(prefix="s3kv-ab-bucket-", dir=args.bucket_dir) as bucket:
-        os.environ.update({
-            "TLLM_S3KV_ENDPOINT_URL": f"file://{bucket}", "TLLM_S3KV_BUCKET": "s3kv-ab",
-            "TLLM_S3KV_MODEL_REVISION": f"random-seed-{SEED}",
-            "TLLM_S3KV_MANIFEST_COMPACTION": "off",  # NOTE: a 20 s maintenance cycle, no load
-            "TLLM_S3KV_STAGING_BYTES": args.staging, "TLLM_S3KV_WARM_START_BYTES": args.staging,
-            "TLLM_S3KV_CODEC_PROCESSES": str(args.codec_processes),
-            "TLLM_S3KV_CODEC_CPUS": args.codec_cpus, "S3KV_AB_ENGINE_CPUS": args.engine_cpus,
-        })  # fmt: skip
+        os.environ.update(
+            connector_settings(bucket, "s3kv-ab", args.staging, args.codec_processes),
+            TLLM_S3KV_WARM_START_BYTES=args.staging, TLLM_S3KV_CODEC_CPUS=args.codec_cpus,
+            S3KV_AB_ENGINE_CPUS=args.engine_cpus,
+        )  # fmt: skip
         started = time.perf_counter()
         written = run_tensor_parallel(1, writer, job, timeout=1800.0)[0]
         read = run_tensor_parallel(1, reader, job, timeout=1800.0)[0]

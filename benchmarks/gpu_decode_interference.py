@@ -44,6 +44,7 @@ from gpu_ab import (
     _close_connector,
     _one_rank,
     build_model,
+    connector_settings,
     executor_for,
     parse_shape,
     pool_blocks,
@@ -147,12 +148,7 @@ def main() -> int:
         return 2
     label, shape = parse_shape(args.shape)
     bucket = tempfile.mkdtemp(prefix="s3kv-interference-")
-    os.environ.update({
-        "TLLM_S3KV_ENDPOINT_URL": f"file://{bucket}", "TLLM_S3KV_BUCKET": "s3kv-interference",
-        "TLLM_S3KV_MODEL_REVISION": "random-seed-1", "TLLM_S3KV_MANIFEST_COMPACTION": "off",
-        "TLLM_S3KV_STAGING_BYTES": "6GiB",
-        "TLLM_S3KV_CODEC_PROCESSES": str(args.codec_processes),
-    })  # fmt: skip
+    os.environ.update(connector_settings(bucket, "s3kv-interference", "6GiB", args.codec_processes))
     _one_rank()
     context = multiprocessing.get_context("spawn")
     pipes: list[Connection] = []
