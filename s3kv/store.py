@@ -1322,7 +1322,10 @@ class KVStore:
             for index in indices:
                 consumed = batch.consumed[index]
                 if consumed is not None:
-                    consumed()
+                    try:
+                        consumed()
+                    except Exception:  # NOTE: the others' buffers and the booking go on
+                        logger.exception("s3kv: returning a saved block's buffer failed")
             errors = self._record_outcomes("put", outcomes)
             rows: Sequence[int] = range(len(indices))
             if errors is not None:
@@ -1377,7 +1380,8 @@ class KVStore:
             if slot is not None:
                 if len(self._located) >= _LOCATED_VIEWS:  # NOTE: callers making new views
                     self._located.clear()
-                self._located[id(data)] = (data, arena, slot)  # NOTE: kept alive: id unique
+                if not self._closed:  # NOTE: close() cleared it; no view may pin an arena
+                    self._located[id(data)] = (data, arena, slot)  # NOTE: alive: id unique
                 return arena, slot
         return None
 
@@ -1529,7 +1533,7 @@ def _as_failure(error: S3KVError) -> CodecError | StorageError:
 
 #: Views of arena slots :meth:`KVStore._locate` remembers before starting over (a worker's
 #: buffers are a few thousand at most).
-_LOCATED_VIEWS = 65536
+_LOCATED_VIEWS = 8192
 
 #: The outcome of a job no codec process accepted (none alive, or it could not be sent).
 _NOT_SUBMITTED = Outcome(
@@ -1547,13 +1551,14 @@ _NOT_ADMITTED = Outcome(
 
 @dataclass(eq=False)
 class _SaveBatch:
-    """Admitted saves of one size handed to the codec processes together, by index."""
+    """Admitted saves of one arena and size handed to the codec processes together, by
+    index."""
 
     keys: list[BlockHash]
     parents: list[BlockHash]
     consumed: list[Callable[[], None] | None]
     nbytes: int
-    rewrite: list[bool] = field(default_factory=list)  # NOTE: per submitted job
+    rewrite: list[bool] = field(default_factory=list)  # NOTE: per admitted job
 
     def append(
         self, key: BlockHash, parent: BlockHash, consumed: Callable[[], None] | None

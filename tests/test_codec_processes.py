@@ -419,7 +419,7 @@ def test_a_batch_of_saves_is_handled_a_message_at_a_time_each_outcome_once(
         real(self, batch, indices, outcomes)
 
     monkeypatch.setattr(KVStore, "_saves_done", spy)
-    ids = keys(64, salt=9)
+    ids = keys(63, salt=9)  # NOTE: not a multiple of the 2 processes: shares of 31 and 32
     consumed = save_blocks(store, ids)
     assert store.flush(timeout=20)
     assert consumed[0] == len(ids)
@@ -829,3 +829,25 @@ def test_closing_a_store_unmaps_its_staging_at_once_unless_a_load_holds_a_pin(
         # NOTE: a pinned block may still be read by a device copy: its memory stays mapped.
         assert arena._mmap.closed is not pin
         assert len(reader.staging) == (1 if pin else 0)
+
+
+def test_codec_processes_import_this_s3kv_first_never_one_in_their_working_directory(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import s3kv
+    from s3kv.offload import processes
+
+    seen: dict[str, str] = {}
+
+    def popen(args: Any, **kwargs: Any) -> Any:
+        seen.update(kwargs["env"])
+        raise OSError("not started")
+
+    monkeypatch.setattr(processes.subprocess, "Popen", popen)
+    monkeypatch.setattr(processes.sys, "path", ["", "/elsewhere"])
+    with pytest.raises(OSError, match="not started"):
+        CodecProcesses._spawn(0)
+    paths = seen["PYTHONPATH"].split(os.pathsep)
+    assert paths[0] == str(Path(os.path.abspath(s3kv.__file__)).parents[1])
+    assert paths[1:] == [os.getcwd(), "/elsewhere"]  # NOTE: '' is this process's directory
+    assert seen["PYTHONSAFEPATH"] == "1"  # NOTE: -m would put the child's directory first

@@ -81,37 +81,87 @@ def test_each_batch_gets_its_own_rows_once_and_rows_nobody_waits_for_are_dropped
 def test_a_batch_of_save_outcomes_is_booked_row_by_row() -> None:
     store = open_store(MemoryBackend())
     try:
-        keys = [BlockHash(bytes([i]) * 16) for i in range(1, 6)]
-        parents = [BlockHash(bytes([100 + i]) * 16) for i in range(1, 6)]
+        keys = [BlockHash(bytes([i]) * 16) for i in range(1, 9)]
+        parents = [BlockHash(bytes([100 + i]) * 16) for i in range(1, 9)]
         consumed: list[int] = []
         batch = _SaveBatch(
-            keys, parents, [lambda i=i: consumed.append(i) for i in range(5)], 1000, [False] * 5
+            keys, parents, [lambda i=i: consumed.append(i) for i in range(8)], 1000, [False] * 8
         )
-        batch.rewrite[4] = True
-        store.quarantine.add(keys[4])
+        indices = [6, 1, 4, 0, 3]  # NOTE: rows 0..4 of rows() answer these batch indices
+        batch.rewrite[3] = True  # NOTE: row 4's, written
+        store.quarantine.add(keys[3])
         with store._lock:
-            store._saving.update(keys)
-            store._inflight_save_bytes += 5 * 1000
+            store._saving.update(keys[i] for i in indices)
+            store._inflight_save_bytes += len(indices) * 1000
         before = store.stats()
-        store._saves_done(batch, [0, 1, 2, 3, 4], Outcomes.of(rows()))
+        store._saves_done(batch, indices, Outcomes.of(rows()))
         stats = store.stats()
 
         def added(name: str) -> float:
             return stats.get(name, 0) - before.get(name, 0)
 
-        assert sorted(consumed) == [0, 1, 2, 3, 4]  # NOTE: every buffer back, once
+        assert sorted(consumed) == sorted(indices)  # NOTE: every buffer back, once
         assert added("save_completed") == 2  # NOTE: rows 0 and 4
         assert added("save_skipped_existing") == 1  # NOTE: row 2, the key exists
         assert added("save_failed") == 2  # NOTE: the failed PUT and the failed encoding
         assert added("save_stored_bytes") == 700 + 800
+        assert added("bytes_sent") == 700 + 800  # NOTE: not the refused conditional PUT's
         assert added("save_raw_bytes") == 2 * 1000
         assert added("save_rewrote_quarantined") == 1
-        assert keys[4] not in store.quarantine
+        assert keys[3] not in store.quarantine
         assert added('requests{op="put"}') == 4  # NOTE: row 3 made none
-        assert [store.manifest.may_contain(k) for k in keys] == [True, False, True, False, True]
+        written = [store.manifest.may_contain(keys[i]) for i in indices]
+        assert written == [True, False, True, False, True]
+        assert not any(store.manifest.may_contain(keys[i]) for i in (2, 5, 7))
         assert store.stats()["inflight_save_bytes"] == 0
     finally:
         store.close()
+
+
+def test_a_buffer_that_fails_to_go_back_stops_neither_the_others_nor_the_booking() -> None:
+    store = open_store(MemoryBackend())
+    try:
+        keys = [BlockHash(bytes([i]) * 16) for i in range(1, 4)]
+        consumed: list[int] = []
+
+        def broken() -> None:
+            raise RuntimeError("pool gone")
+
+        batch = _SaveBatch(
+            keys, list(keys), [broken, lambda: consumed.append(1), lambda: consumed.append(2)],
+            1000, [False] * 3,
+        )  # fmt: skip
+        with store._lock:
+            store._inflight_save_bytes += 3 * 1000
+        clean = [Outcome(i, True, 0.01, None, True, 600, None) for i in range(3)]
+        store._saves_done(batch, [0, 1, 2], Outcomes.of(clean))
+        assert consumed == [1, 2]
+        assert all(store.manifest.may_contain(k) for k in keys)
+        assert store.stats()["inflight_save_bytes"] == 0
+    finally:
+        store.close()
+
+
+def test_a_clean_batch_of_fetches_is_recorded_in_bulk_with_the_bytes_received() -> None:
+    store = open_store(MemoryBackend())
+    try:
+        before = store.stats()
+        clean = [Outcome(i, True, 0.01, None, i != 1, 500 + i, None) for i in range(3)]
+        assert store._record_outcomes("get", Outcomes.of(clean)) is None
+        stats = store.stats()
+        assert stats["bytes_received"] - before.get("bytes_received", 0) == 500 + 501 + 502
+        assert stats['requests{op="get"}'] - before.get('requests{op="get"}', 0) == 3
+    finally:
+        store.close()
+
+
+def test_only_seven_lists_of_one_length_are_well_formed_outcomes() -> None:
+    assert Outcomes.of(rows()).well_formed()
+    assert Outcomes.of([]).well_formed()
+    short = Outcomes.of(rows())
+    short.found.pop()
+    assert not short.well_formed()
+    assert not Outcomes(*([(), [], [], [], [], [], []])).well_formed()  # type: ignore[arg-type]
 
 
 def test_a_clean_batch_is_booked_in_bulk_as_the_rows_would_be() -> None:

@@ -134,6 +134,9 @@ def _setup(message: Any) -> tuple[Backend, Keyring | None, int]:
 
 
 def main(fd: int) -> None:
+    # NOTE: set for this process's own start only (see CodecProcesses._spawn); a process it
+    # starts (e.g. a credential_process helper) imports as usual.
+    os.environ.pop("PYTHONSAFEPATH", None)
     conn = Connection(fd)
     try:
         backend, keyring, threads = _setup(pickle.loads(conn.recv_bytes()))

@@ -8,8 +8,9 @@ prompt's blocks were being encoded (``benchmarks/results/``). A codec process do
 or PUT too, so block bytes never pass through the engine's process: it reads and writes
 slots of shared memory (:class:`~s3kv.arena.SlabArena`) the store's process maps too.
 
-Costs here, per block: one tuple into a list (:meth:`CodecProcesses.submit_batch`, from any
-thread), a share of one pickled message each way, and its share of one callback on the
+Costs here, per block: a share of one item of a message (:meth:`CodecProcesses.submit_batch`,
+from any thread; a batch of saves is one :class:`~s3kv.offload.jobs.SaveJobs` per process),
+a share of one pickled message each way, and its share of one callback on the
 reader thread. Jobs and outcomes are batched per message; outcomes travel column by column
 (:class:`~s3kv.offload.jobs.Outcomes`), so a message unpickles as a few lists, not an object
 per job. One reader thread serves every process: each time it wakes it reads one message
@@ -145,10 +146,13 @@ class CodecProcesses:
     def _spawn(index: int) -> _Child:
         ours, theirs = socket.socketpair()
         env = dict(os.environ)
-        # NOTE: the child imports s3kv from wherever this process did (a source tree too),
-        # and not from its working directory, which ``-m`` would put first (Python >= 3.11):
-        # an s3kv checkout of another version there would speak another protocol.
-        env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
+        # NOTE: the child imports s3kv from wherever this process did (a source tree too):
+        # that folder first, then this process's path ('' is its working directory). Not
+        # from its own working directory, which ``-m`` would put first (Python >= 3.11;
+        # the child drops the variable again): an s3kv checkout of another version there
+        # would speak another protocol.
+        here = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        env["PYTHONPATH"] = os.pathsep.join([here, *(p or os.getcwd() for p in sys.path)])
         env["PYTHONSAFEPATH"] = "1"
         # NOTE: glibc serves each GET's body (over its 128 KiB mmap threshold) from fresh
         # pages and unmaps them on free: ~250 page faults per block in the process. Kept in
@@ -294,7 +298,7 @@ class CodecProcesses:
                 with self._lock:
                     child.ready = True
                 return None
-            if not isinstance(message, Outcomes):
+            if not isinstance(message, Outcomes) or not message.well_formed():
                 raise TypeError(f"not outcomes: {type(message).__name__}")
         except (EOFError, OSError):
             return "exited"
