@@ -22,14 +22,20 @@ class Wire:
         self.sent.set()
 
 
+def sender() -> tuple[Wire, _Replies]:
+    """A running sender writing to a :class:`Wire`."""
+    wire = Wire()
+    replies = _Replies(wire)  # type: ignore[arg-type]
+    threading.Thread(target=replies.run, daemon=True).start()
+    return wire, replies
+
+
 def outcome(job_id: int) -> Outcome:
     return Outcome(job_id, True, 0.01, None, True, 100, None)
 
 
 def test_save_outcomes_leave_together_once_no_job_is_left_not_on_a_short_timer() -> None:
-    wire = Wire()
-    replies = _Replies(wire)  # type: ignore[arg-type]
-    threading.Thread(target=replies.run, daemon=True).start()
+    wire, replies = sender()
     replies.expect(3)
     replies.put(outcome(0), urgent=False)
     replies.put(outcome(1), urgent=False)
@@ -43,9 +49,7 @@ def test_save_outcomes_leave_together_once_no_job_is_left_not_on_a_short_timer()
 
 
 def test_save_outcomes_leave_after_the_timer_when_jobs_are_still_running() -> None:
-    wire = Wire()
-    replies = _Replies(wire)  # type: ignore[arg-type]
-    threading.Thread(target=replies.run, daemon=True).start()
+    wire, replies = sender()
     replies.expect(2)
     replies.put(outcome(0), urgent=False)
     assert wire.sent.wait(5 + _SAVE_COALESCE_S)
@@ -54,9 +58,7 @@ def test_save_outcomes_leave_after_the_timer_when_jobs_are_still_running() -> No
 
 
 def test_a_fetch_outcome_leaves_at_once_whatever_else_is_running() -> None:
-    wire = Wire()
-    replies = _Replies(wire)  # type: ignore[arg-type]
-    threading.Thread(target=replies.run, daemon=True).start()
+    wire, replies = sender()
     replies.expect(5)
     started = time.monotonic()
     replies.put(outcome(7), urgent=True)

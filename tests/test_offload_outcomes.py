@@ -3,14 +3,24 @@
 from __future__ import annotations
 
 import pickle
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+
+import pytest
 
 from s3kv.keys import BlockHash
 from s3kv.offload import Failure, Outcome, Outcomes, SaveJob, SaveJobs
 from s3kv.offload.processes import _deliver_all
 from s3kv.storage import MemoryBackend
-from s3kv.store import _SaveBatch
+from s3kv.store import KVStore, _SaveBatch
 from tests.test_store import open_store
+
+
+@pytest.fixture
+def store() -> Iterator[KVStore]:
+    opened = open_store(MemoryBackend())
+    yield opened
+    opened.close()
+
 
 PUT_FAILED = Failure("EndpointError", "connection reset", "endpoint")
 ENCODE_FAILED = Failure("CodecError", "encoding failed", "codec")
@@ -78,81 +88,73 @@ def test_each_batch_gets_its_own_rows_once_and_rows_nobody_waits_for_are_dropped
     assert calls["b"] == [([0, 7], [every[1], every[4]])]
 
 
-def test_a_batch_of_save_outcomes_is_booked_row_by_row() -> None:
-    store = open_store(MemoryBackend())
-    try:
-        keys = [BlockHash(bytes([i]) * 16) for i in range(1, 9)]
-        parents = [BlockHash(bytes([100 + i]) * 16) for i in range(1, 9)]
-        consumed: list[int] = []
-        batch = _SaveBatch(
-            keys, parents, [lambda i=i: consumed.append(i) for i in range(8)], 1000, [False] * 8
-        )
-        indices = [6, 1, 4, 0, 3]  # NOTE: rows 0..4 of rows() answer these batch indices
-        batch.rewrite[3] = True  # NOTE: row 4's, written
-        store.quarantine.add(keys[3])
-        with store._lock:
-            store._saving.update(keys[i] for i in indices)
-            store._inflight_save_bytes += len(indices) * 1000
-        before = store.stats()
-        store._saves_done(batch, indices, Outcomes.of(rows()))
-        stats = store.stats()
+def test_a_batch_of_save_outcomes_is_booked_row_by_row(store: KVStore) -> None:
+    keys = [BlockHash(bytes([i]) * 16) for i in range(1, 9)]
+    parents = [BlockHash(bytes([100 + i]) * 16) for i in range(1, 9)]
+    consumed: list[int] = []
+    batch = _SaveBatch(
+        keys, parents, [lambda i=i: consumed.append(i) for i in range(8)], 1000, [False] * 8
+    )
+    indices = [6, 1, 4, 0, 3]  # NOTE: rows 0..4 of rows() answer these batch indices
+    batch.rewrite[3] = True  # NOTE: row 4's, written
+    store.quarantine.add(keys[3])
+    with store._lock:
+        store._saving.update(keys[i] for i in indices)
+        store._inflight_save_bytes += len(indices) * 1000
+    before = store.stats()
+    store._saves_done(batch, indices, Outcomes.of(rows()))
+    stats = store.stats()
 
-        def added(name: str) -> float:
-            return stats.get(name, 0) - before.get(name, 0)
+    def added(name: str) -> float:
+        return stats.get(name, 0) - before.get(name, 0)
 
-        assert sorted(consumed) == sorted(indices)  # NOTE: every buffer back, once
-        assert added("save_completed") == 2  # NOTE: rows 0 and 4
-        assert added("save_skipped_existing") == 1  # NOTE: row 2, the key exists
-        assert added("save_failed") == 2  # NOTE: the failed PUT and the failed encoding
-        assert added("save_stored_bytes") == 700 + 800
-        assert added("bytes_sent") == 700 + 800  # NOTE: not the refused conditional PUT's
-        assert added("save_raw_bytes") == 2 * 1000
-        assert added("save_rewrote_quarantined") == 1
-        assert keys[3] not in store.quarantine
-        assert added('requests{op="put"}') == 4  # NOTE: row 3 made none
-        written = [store.manifest.may_contain(keys[i]) for i in indices]
-        assert written == [True, False, True, False, True]
-        assert not any(store.manifest.may_contain(keys[i]) for i in (2, 5, 7))
-        assert store.stats()["inflight_save_bytes"] == 0
-    finally:
-        store.close()
+    assert sorted(consumed) == sorted(indices)  # NOTE: every buffer back, once
+    assert added("save_completed") == 2  # NOTE: rows 0 and 4
+    assert added("save_skipped_existing") == 1  # NOTE: row 2, the key exists
+    assert added("save_failed") == 2  # NOTE: the failed PUT and the failed encoding
+    assert added("save_stored_bytes") == 700 + 800
+    assert added("bytes_sent") == 700 + 800  # NOTE: not the refused conditional PUT's
+    assert added("save_raw_bytes") == 2 * 1000
+    assert added("save_rewrote_quarantined") == 1
+    assert keys[3] not in store.quarantine
+    assert added('requests{op="put"}') == 4  # NOTE: row 3 made none
+    written = [store.manifest.may_contain(keys[i]) for i in indices]
+    assert written == [True, False, True, False, True]
+    assert not any(store.manifest.may_contain(keys[i]) for i in (2, 5, 7))
+    assert store.stats()["inflight_save_bytes"] == 0
 
 
-def test_a_buffer_that_fails_to_go_back_stops_neither_the_others_nor_the_booking() -> None:
-    store = open_store(MemoryBackend())
-    try:
-        keys = [BlockHash(bytes([i]) * 16) for i in range(1, 4)]
-        consumed: list[int] = []
+def test_a_buffer_that_fails_to_go_back_stops_neither_the_others_nor_the_booking(
+    store: KVStore,
+) -> None:
+    keys = [BlockHash(bytes([i]) * 16) for i in range(1, 4)]
+    consumed: list[int] = []
 
-        def broken() -> None:
-            raise RuntimeError("pool gone")
+    def broken() -> None:
+        raise RuntimeError("pool gone")
 
-        batch = _SaveBatch(
-            keys, list(keys), [broken, lambda: consumed.append(1), lambda: consumed.append(2)],
-            1000, [False] * 3,
-        )  # fmt: skip
-        with store._lock:
-            store._inflight_save_bytes += 3 * 1000
-        clean = [Outcome(i, True, 0.01, None, True, 600, None) for i in range(3)]
-        store._saves_done(batch, [0, 1, 2], Outcomes.of(clean))
-        assert consumed == [1, 2]
-        assert all(store.manifest.may_contain(k) for k in keys)
-        assert store.stats()["inflight_save_bytes"] == 0
-    finally:
-        store.close()
+    batch = _SaveBatch(
+        keys, list(keys), [broken, lambda: consumed.append(1), lambda: consumed.append(2)],
+        1000, [False] * 3,
+    )  # fmt: skip
+    with store._lock:
+        store._inflight_save_bytes += 3 * 1000
+    clean = [Outcome(i, True, 0.01, None, True, 600, None) for i in range(3)]
+    store._saves_done(batch, [0, 1, 2], Outcomes.of(clean))
+    assert consumed == [1, 2]
+    assert all(store.manifest.may_contain(k) for k in keys)
+    assert store.stats()["inflight_save_bytes"] == 0
 
 
-def test_a_clean_batch_of_fetches_is_recorded_in_bulk_with_the_bytes_received() -> None:
-    store = open_store(MemoryBackend())
-    try:
-        before = store.stats()
-        clean = [Outcome(i, True, 0.01, None, i != 1, 500 + i, None) for i in range(3)]
-        assert store._record_outcomes("get", Outcomes.of(clean)) is None
-        stats = store.stats()
-        assert stats["bytes_received"] - before.get("bytes_received", 0) == 500 + 501 + 502
-        assert stats['requests{op="get"}'] - before.get('requests{op="get"}', 0) == 3
-    finally:
-        store.close()
+def test_a_clean_batch_of_fetches_is_recorded_in_bulk_with_the_bytes_received(
+    store: KVStore,
+) -> None:
+    before = store.stats()
+    clean = [Outcome(i, True, 0.01, None, i != 1, 500 + i, None) for i in range(3)]
+    assert store._record_outcomes("get", Outcomes.of(clean)) is None
+    stats = store.stats()
+    assert stats["bytes_received"] - before.get("bytes_received", 0) == 500 + 501 + 502
+    assert stats['requests{op="get"}'] - before.get('requests{op="get"}', 0) == 3
 
 
 def test_only_seven_lists_of_one_length_are_well_formed_outcomes() -> None:
@@ -164,20 +166,16 @@ def test_only_seven_lists_of_one_length_are_well_formed_outcomes() -> None:
     assert not Outcomes(*([(), [], [], [], [], [], []])).well_formed()  # type: ignore[arg-type]
 
 
-def test_a_clean_batch_is_booked_in_bulk_as_the_rows_would_be() -> None:
-    store = open_store(MemoryBackend())
-    try:
-        keys = [BlockHash(bytes([i]) * 16) for i in range(1, 4)]
-        batch = _SaveBatch(keys, list(keys), [None] * 3, 1000, [False] * 3)
-        with store._lock:
-            store._inflight_save_bytes += 3 * 1000
-        clean = [Outcome(i, True, 0.01 * i, None, i != 2, 600 + i, None) for i in range(3)]
-        before = store.stats()
-        store._saves_done(batch, [0, 1, 2], Outcomes.of(clean))
-        stats = store.stats()
-        assert stats['requests{op="put"}'] - before.get('requests{op="put"}', 0) == 3
-        assert stats["bytes_sent"] - before.get("bytes_sent", 0) == 600 + 601  # NOTE: not 602
-        assert stats["save_completed"] - before.get("save_completed", 0) == 2
-        assert all(store.manifest.may_contain(k) for k in keys)
-    finally:
-        store.close()
+def test_a_clean_batch_is_booked_in_bulk_as_the_rows_would_be(store: KVStore) -> None:
+    keys = [BlockHash(bytes([i]) * 16) for i in range(1, 4)]
+    batch = _SaveBatch(keys, list(keys), [None] * 3, 1000, [False] * 3)
+    with store._lock:
+        store._inflight_save_bytes += 3 * 1000
+    clean = [Outcome(i, True, 0.01 * i, None, i != 2, 600 + i, None) for i in range(3)]
+    before = store.stats()
+    store._saves_done(batch, [0, 1, 2], Outcomes.of(clean))
+    stats = store.stats()
+    assert stats['requests{op="put"}'] - before.get('requests{op="put"}', 0) == 3
+    assert stats["bytes_sent"] - before.get("bytes_sent", 0) == 600 + 601  # NOTE: not 602
+    assert stats["save_completed"] - before.get("save_completed", 0) == 2
+    assert all(store.manifest.may_contain(k) for k in keys)
