@@ -19,6 +19,10 @@ the calling thread (exclusive time; what the I/O threads do meanwhile is not cou
 ``scheduler.request_view_ms``: the adapter's ``request_view`` for the prompt (also on the
 engine's path, before the core is called).
 
+``scheduler.decode_step_us``: ``build_connector_meta`` in steady decode, every request of a
+batch (``batch`` 1, 64, 256; 1K-token prompts, saved) reported with one new token a step, as
+TensorRT-LLM reports running requests; median over 200 steps, and ``per_request_us``.
+
 Usage: ``python benchmarks/bench_scheduler.py [--quick]``.
 """
 
@@ -255,6 +259,38 @@ def bench_request_view(n_tokens: int, samples: int) -> None:
          note="adapter: RequestView from the binding (get_tokens copy included)")  # fmt: skip
 
 
+def bench_decode_steps(batch: int, steps: int, rng: np.random.Generator) -> None:
+    """Steady decode: ``batch`` requests whose prompts were planned, one token a step."""
+    from s3kv.connector.api import RequestData
+
+    tpb, prompt_tokens = 32, 1025
+    config = S3KVConfig.load(environ={}, bucket="bench", manifest_refresh_interval=0)
+    manifest = Manifest.open(MemoryBackend(), PREFIX, FP, capacity=1_000_000, fpr=1e-6)
+    store = KVStore(backend=MemoryBackend(), manifest=manifest, fingerprint=FP, config=config,
+                    allocator=NumpyAllocator(), pool=IOPool(0))  # fmt: skip
+    core = SchedulerCore(config, tpb)
+    core.attach(ShardStores([store]), board=CompletionBoard.private(), manager="v1")
+    first = []
+    for rid in range(batch):
+        tokens = tuple(int(t) for t in rng.integers(0, 128_000, size=prompt_tokens))
+        core.get_num_new_matched_tokens(RequestView(rid, tokens, {}), 0)
+        blocks = list(range(rid * 40, rid * 40 + prompt_tokens // tpb + 1))
+        core.update_state_after_alloc(rid, blocks)
+        first.append(RequestData(rid, list(tokens), blocks, 0, prompt_tokens))
+    core.build_connector_meta(first, [])
+    seconds = []
+    for step in range(steps):
+        reports = [RequestData(rid, [7], [], prompt_tokens + step, 1) for rid in range(batch)]
+        started = time.perf_counter()
+        core.build_connector_meta([], reports)
+        seconds.append(time.perf_counter() - started)
+    median = statistics.median(seconds) * 1e6
+    emit("scheduler.decode_step_us", median, "us", batch=batch, steps=steps,
+         per_request_us=round(median / batch, 3), prompt_tokens=prompt_tokens,
+         tokens_per_block=tpb)  # fmt: skip
+    store.close()
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--quick", action="store_true", help="fewer samples")
@@ -269,6 +305,8 @@ def main() -> int:
         for tpb in (32, 64):
             run_case(131072, tpb, maybe, samples, rng)
     bench_request_view(131072, samples)
+    for batch in (1, 64, 256):
+        bench_decode_steps(batch, 50 if args.quick else 200, rng)
     return 0
 
 

@@ -229,6 +229,45 @@ def test_chunked_prefill_saves_each_block_once_full() -> None:
     assert decode.saves == ()
 
 
+def test_decode_reports_of_a_request_with_its_prompt_planned_skip_planning(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Every running request is reported every step: a decode batch of 256 cost 1.3 ms a
+    # step in save planning that could find nothing (decode blocks are not saved).
+    backend = MemoryBackend()
+    store = make_store(backend)
+    core = core_for(store)
+    request = FakeRequest(1, PROMPT)
+    core.get_num_new_matched_tokens(view(request), 0)
+    core.update_state_after_alloc(request.request_id, [0, 1, 2, 3, 4])
+    first = core.build_connector_meta([first_report(1, PROMPT, [0, 1, 2, 3, 4], 0, 6)], [])
+    assert [op.block_id for op in first.saves] == [0], "the prompt is not all planned yet"
+    rest = core.build_connector_meta([], [RequestData(1, [], [], 6, 11)])
+    assert [op.block_id for op in rest.saves] == [1, 2, 3]
+
+    def no_planning(*args: object, **kwargs: object) -> object:
+        raise AssertionError("planned again")
+
+    monkeypatch.setattr(core, "_plan_request_saves", no_planning)
+    for position in range(17, 57):
+        decode = core.build_connector_meta([], [RequestData(1, [7], [5], position, 1)])
+        assert decode.saves == ()
+    assert store.metrics.value("connector_save_planning_errors") == 0
+    assert core.tracked_requests == 1
+
+
+def test_a_prompt_whose_block_ids_arrive_late_is_still_saved_whole() -> None:
+    # Whether a request is done saving is decided on the blocks it could plan, not on the
+    # tokens computed: a report without all the prompt's block ids leaves it open.
+    core = core_for(make_store(MemoryBackend()))
+    request = FakeRequest(1, PROMPT)
+    core.get_num_new_matched_tokens(view(request), 0)
+    first = core.build_connector_meta([first_report(1, PROMPT, [0, 1], 0, 17)], [])
+    assert [op.block_id for op in first.saves] == [0, 1]
+    later = core.build_connector_meta([], [RequestData(1, [], [2, 3, 4], 17, 1)])
+    assert [op.block_id for op in later.saves] == [2, 3]
+
+
 def test_decode_blocks_saved_when_configured() -> None:
     backend = MemoryBackend()
     core = core_for(make_store(backend), save_decode_blocks=True)
@@ -337,6 +376,24 @@ def test_requests_freed_without_request_finished_are_forgotten() -> None:
     assert core.tracked_requests == 1, "the running request is kept"
     assert store.staging.remove(chain_hashes(PROMPT, TPB)[0]), "the cancelled claim unpinned"
     assert store.metrics.value("connector_forgotten_requests") == 1
+
+
+def test_a_request_gone_from_a_steady_batch_is_forgotten_after_stale_steps() -> None:
+    # The scan for stale requests runs only from the step the oldest could be stale.
+    core = core_for(make_store(MemoryBackend()))
+    for rid in (1, 2):
+        core.get_num_new_matched_tokens(view(FakeRequest(rid, PROMPT)), 0)
+    for _ in range(100):
+        core.build_connector_meta([], [cached_report(1, 17), cached_report(2, 17)])
+    for _ in range(SchedulerCore.STALE_STEPS):
+        core.build_connector_meta([], [cached_report(2, 17)])
+    assert core.tracked_requests == 2, "missing for STALE_STEPS steps: kept"
+    core.build_connector_meta([], [cached_report(2, 17)])
+    assert core.tracked_requests == 1, "one step more: forgotten"
+    core.get_num_new_matched_tokens(view(FakeRequest(3, PROMPT)), 0)
+    for _ in range(SchedulerCore.STALE_STEPS + 1):
+        core.build_connector_meta([], [cached_report(2, 17)])
+    assert core.tracked_requests == 1, "a request claimed later and never reported: forgotten"
 
 
 @pytest.mark.parametrize(
