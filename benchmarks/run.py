@@ -21,6 +21,7 @@ SCRIPTS = [
     "bench_scheduler.py",
     "bench_hit_path.py",
     "bench_save_path.py",
+    "bench_host_contention.py",
     "bench_s3.py",
     "bench_wan.py",  # root only (network namespaces); prints wan.skipped otherwise
     "bench_client_cpu.py",
