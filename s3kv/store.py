@@ -1177,6 +1177,10 @@ class KVStore:
         interpreter pays per batch, not per block, for most of the bookkeeping. Without codec
         processes the batch goes to the I/O threads at once (:meth:`_save_many_here`). Under
         ``save_policy=block`` the blocks go one at a time, as :meth:`save`.
+
+        Raises:
+            Exception: the first failure to hand a group (an arena and block size) over to
+                the codec processes, after every group went or had its saves failed.
         """
         offload = self._offload
         # NOTE: under block, one by one: a block waiting for room gets it as the ones before
@@ -1220,10 +1224,16 @@ class KVStore:
             group[1].append(key, parent, on_consumed)
             group[2].append(slot)
         self.metrics.inc("save_submitted", sum(s is SaveStatus.QUEUED for s in admitted))
+        failure: Exception | None = None
         for arena, batch, slots in batches.values():
-            self._hand_over(
-                offload, batch, arena, slots, codec.DType(dtype), shape, fall_back=False
-            )
+            try:
+                self._hand_over(
+                    offload, batch, arena, slots, codec.DType(dtype), shape, fall_back=False
+                )
+            except Exception as exc:  # NOTE: that group's saves ended; the others still go
+                failure = failure or exc
+        if failure is not None:
+            raise failure
         return statuses
 
     def _save_many_here(
@@ -1282,6 +1292,10 @@ class KVStore:
 
         Saves the breaker refuses are failed here (counted, finished, consumed); without
         ``fall_back`` so are those no process took.
+
+        Raises:
+            Exception: whatever building or submitting the jobs raised, after failing the
+                admitted saves as above (nothing of them is left in flight).
         """
         count = len(batch.keys)
         admitted = self.backend.admit_many("put", count)
@@ -1291,17 +1305,25 @@ class KVStore:
             if not admitted:
                 return True
         keys = batch.keys[:admitted]
-        quarantined = self.quarantine.among(keys)
-        batch.rewrite = [key in quarantined for key in keys] if quarantined else [False] * admitted
-        conditional = self.backend.capabilities.conditional_put
-        jobs = SaveJobs(
-            arena.path, arena.slot_bytes, batch.nbytes, dtype.value, shape, int(self._codec),
-            self.config.compression_level,
-            block_object_keys(self.config.key_prefix, self.fingerprint, keys),
-            list(slots[:admitted]), [conditional and not rewrite for rewrite in batch.rewrite],
-        )  # fmt: skip
-        if offload.submit_batch(jobs, functools.partial(self._saves_done, batch)):
-            return True
+        try:
+            quarantined = self.quarantine.among(keys)
+            batch.rewrite = (
+                [key in quarantined for key in keys] if quarantined else [False] * admitted
+            )
+            conditional = self.backend.capabilities.conditional_put
+            jobs = SaveJobs(
+                arena.path, arena.slot_bytes, batch.nbytes, dtype.value, shape,
+                int(self._codec), self.config.compression_level,
+                block_object_keys(self.config.key_prefix, self.fingerprint, keys),
+                list(slots[:admitted]), [conditional and not rewrite for rewrite in batch.rewrite],
+            )  # fmt: skip
+            if offload.submit_batch(jobs, functools.partial(self._saves_done, batch)):
+                return True
+        except Exception:
+            # NOTE: nothing was handed over (submit_batch is all or nothing): the keys, the
+            # in-flight bytes, the buffers and the admissions are this thread's to end.
+            self._saves_done(batch, range(admitted), Outcomes.of([_NOT_SUBMITTED] * admitted))
+            raise
         if fall_back:
             for _ in range(admitted):
                 self.backend.withdraw()

@@ -615,6 +615,51 @@ def test_a_batch_that_cannot_be_handed_over_gives_back_its_slots_and_its_probe(
     assert breaker.healthy
 
 
+def test_a_group_that_cannot_be_handed_over_ends_its_saves_and_the_next_group_still_goes(
+    bucket: Path, open_stores: list[KVStore], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Blocks of two arenas form two groups; building the first group's jobs raises. Before,
+    # its saves and every later group's stayed in flight for good: keys, bytes, buffers.
+    store = ready_store(bucket, open_stores)
+    ids = keys(6, salt=23)
+    arenas = [store.save_arena(NBYTES, 3 * NBYTES) for _ in range(2)]
+    consumed = [0]
+
+    def done() -> None:
+        consumed[0] += 1
+
+    blocks = []
+    for i, key in enumerate(ids):
+        arena = arenas[i // 3]
+        assert arena is not None
+        slot = arena.allocate(NBYTES)
+        slot[:] = block_bytes(i)
+        blocks.append((key, ROOT_HASH, slot, done))
+    real = store.quarantine.among
+    calls = [0]
+
+    def among_once_broken(found: Any) -> Any:
+        calls[0] += 1
+        if calls[0] == 1:
+            raise RuntimeError("the quarantine broke")
+        return real(found)
+
+    monkeypatch.setattr(store.quarantine, "among", among_once_broken)
+    with pytest.raises(RuntimeError, match="the quarantine broke"):
+        store.save_many(blocks, dtype="bfloat16", shape=(LAYERS, 2, ELEMS), checked=True)
+    assert calls[0] == 2, "the second group was handed over after the first failed"
+    assert store.flush(timeout=20)
+    stats = store.stats()
+    assert stats["save_failed"] == 3
+    assert stats["save_completed"] == 3
+    assert consumed[0] == 6, "every buffer came back"
+    assert not store._saving
+    assert store._inflight_save_bytes == 0
+    objects = FileBackend(str(bucket))
+    written = [objects.head(store.object_key(key)) is not None for key in ids]
+    assert written == [False] * 3 + [True] * 3
+
+
 def test_a_process_that_sends_garbage_is_stopped_and_the_others_go_on(
     bucket: Path, open_stores: list[KVStore], monkeypatch: pytest.MonkeyPatch
 ) -> None:
