@@ -15,7 +15,7 @@ an engine's host state) in iterations, alone and while
 The variants alternate trial by trial. Rows (JSON lines): ``host.contention`` per variant and
 working set, the median over trials of the probe's wall and thread-CPU time per iteration over
 ``none``'s (``wall_over_none``, ``cpu_over_none``; ``value`` is ``cpu_over_none``), and how
-long the saves took (``window_ms``). Where ``cpu_over_none`` rises, the probe's own
+long the saves took once handed over (``window_ms``). Where ``cpu_over_none`` rises, the probe's own
 instructions ran slower: caches and memory shared with the codec, not the GIL (the probe's
 thread shares no lock with the codec processes; the store's reader thread is the only other
 thread in this process).
@@ -46,6 +46,7 @@ from bench_wan import codec_pids, saved_from
 from s3kv import codec
 from s3kv.config import S3KVConfig
 from s3kv.keys import ROOT_HASH, hash_block
+from s3kv.offload import affinity
 from s3kv.store import KVStore
 
 #: SmolLM2's block of 64 tokens: (layers, K and V, heads x tokens x head dim), bf16 as int16.
@@ -90,7 +91,7 @@ class Probe:
         """Iterate until ``done`` (asked every 4 iterations); wall and CPU ms per iteration."""
         n = 0
         wall, cpu = time.perf_counter(), time.thread_time()
-        while n % 4 or not done():
+        while n == 0 or n % 4 or not done():
             self.step()
             n += 1
         return (time.perf_counter() - wall) * 1e3 / n, (time.thread_time() - cpu) * 1e3 / n
@@ -143,13 +144,17 @@ class SavePath:
 class Encoders:
     """``processes`` stand-in codec processes, ``blocks`` blocks between them per trial."""
 
-    def __init__(self, processes: int, blocks: int) -> None:
+    def __init__(self, processes: int, blocks: int, away_from: int) -> None:
         self.procs: list[tuple[multiprocessing.Process, Connection]] = []
+        # NOTE: off a pinned probe's CPU, as codec_cpus=auto moves the codec processes
+        cpus = os.sched_getaffinity(0) | affinity.allowed_cpus()
         for p in range(processes):
             parent, child = multiprocessing.Pipe()
             share = blocks // processes + (p < blocks % processes)
             proc = multiprocessing.Process(target=encoder, args=(child, share, p), daemon=True)
             proc.start()
+            if away_from >= 0 and proc.pid is not None:
+                os.sched_setaffinity(proc.pid, (cpus - {away_from}) or cpus)
             self.procs.append((proc, parent))
         for _, conn in self.procs:
             conn.recv()
@@ -189,8 +194,9 @@ def measure(args: argparse.Namespace, ws_mb: int, loads: dict[str, Any]) -> None
                 rows[variant].append((wall, cpu, ALONE_S * 1e3))
                 continue
             load = loads[variant]
+            done = load.start()  # NOTE: the save path copies its blocks in first (untimed)
             start = time.perf_counter()
-            wall, cpu = probe.run(load.start())
+            wall, cpu = probe.run(done)
             rows[variant].append((wall, cpu, (time.perf_counter() - start) * 1e3))
             load.settle()
     alone_wall = statistics.median(r[0] for r in rows["none"])
@@ -227,7 +233,7 @@ def main() -> int:
         os.sched_setaffinity(0, {args.engine_cpu})
     loads = {
         "save-path": SavePath(args.codec_processes, args.blocks, args.bucket_dir),
-        "encoders": Encoders(args.codec_processes, args.blocks),
+        "encoders": Encoders(args.codec_processes, args.blocks, args.engine_cpu),
     }
     try:
         for ws_mb in (int(x) for x in args.ws_mb.split(",")):

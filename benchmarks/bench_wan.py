@@ -34,7 +34,8 @@ side ran with the machine's cores at least 90 % busy: then the link was not what
 (client, relay and server share this machine's cores, and other work on the machine counts);
 its ``link_util`` gives both sides' share of the link, ours first, and ``link_ceiling`` the
 ratio s3kv's side would reach if its bytes crossed as fast as the raw bulk transfer's (near
-it, the link and the codec's ratio bound the figure, not s3kv's client).
+it, the link and the codec's ratio bound the figure, not s3kv's client; the bulk rate counts
+payload and the phase's wire bytes count headers too, so it is a few percent low).
 
 Usage: ``sudo python benchmarks/bench_wan.py [--quick] [--threads N] [--codec-processes N]
 [--blocks N] [--link GBIT ...] [--kv-file KV.npy] [--clean]``. ``--kv-file`` takes the KV
@@ -397,6 +398,12 @@ def main() -> int:
         "--clean", action="store_true", help="only remove what killed runs left behind"
     )
     args = parser.parse_args()
+    if args.blocks < 1:
+        parser.error(f"--blocks: need at least 1 block, got {args.blocks}")
+    unknown = sorted(set(args.link) - {link.gbit for link in LINKS})
+    if unknown:
+        known = ", ".join(f"{link.gbit:g}" for link in LINKS)
+        parser.error(f"--link: no link of {unknown[0]:g} Gbit/s; the links are {known}")
     if os.geteuid() != 0:
         print(json.dumps({"metric": "wan.skipped", "reason": "needs root for network namespaces"}))
         return 0

@@ -232,8 +232,9 @@ def test_chunked_prefill_saves_each_block_once_full() -> None:
 def test_decode_reports_of_a_request_with_its_prompt_planned_skip_planning(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    # Every running request is reported every step: a decode batch of 256 cost 1.3 ms a
-    # step in save planning that could find nothing (decode blocks are not saved).
+    # Every running request is reported every step: a decode batch of 256 cost 0.50 ms a
+    # step in save planning that could find nothing (decode blocks are not saved), 27 us
+    # after (bench_scheduler.py's decode_step_us on the 2-core machine).
     backend = MemoryBackend()
     store = make_store(backend)
     core = core_for(store)
@@ -254,6 +255,24 @@ def test_decode_reports_of_a_request_with_its_prompt_planned_skip_planning(
         assert decode.saves == ()
     assert store.metrics.value("connector_save_planning_errors") == 0
     assert core.tracked_requests == 1
+
+
+def test_a_prompt_computed_while_the_store_was_unhealthy_is_saved_once_it_recovers() -> None:
+    # Planning nothing while the breaker is open must not mark the request done saving.
+    store = make_store(MemoryBackend())
+    core = core_for(store)
+    breaker = store.backend.breaker
+    assert breaker is not None
+    for _ in range(store.config.breaker_failures):
+        breaker.record_failure()
+    request = FakeRequest(1, PROMPT)
+    core.get_num_new_matched_tokens(view(request), 0)
+    core.update_state_after_alloc(request.request_id, [0, 1, 2, 3, 4])
+    prefill = core.build_connector_meta([first_report(1, PROMPT, [0, 1, 2, 3, 4], 0, 17)], [])
+    assert prefill.saves == ()
+    breaker.record_success()
+    decode = core.build_connector_meta([], [RequestData(1, [7], [], 17, 1)])
+    assert [op.block_id for op in decode.saves] == [0, 1, 2, 3]
 
 
 def test_a_prompt_whose_block_ids_arrive_late_is_still_saved_whole() -> None:
@@ -394,6 +413,16 @@ def test_a_request_gone_from_a_steady_batch_is_forgotten_after_stale_steps() -> 
     for _ in range(SchedulerCore.STALE_STEPS + 1):
         core.build_connector_meta([], [cached_report(2, 17)])
     assert core.tracked_requests == 1, "a request claimed later and never reported: forgotten"
+
+
+def test_stale_steps_changed_between_scans_takes_effect(monkeypatch: pytest.MonkeyPatch) -> None:
+    core = core_for(make_store(MemoryBackend()))
+    core.get_num_new_matched_tokens(view(FakeRequest(1, PROMPT)), 0)
+    core.build_connector_meta([], [])
+    monkeypatch.setattr(SchedulerCore, "STALE_STEPS", 2)
+    for _ in range(3):
+        core.build_connector_meta([], [])
+    assert core.tracked_requests == 0
 
 
 @pytest.mark.parametrize(

@@ -106,7 +106,7 @@ class SchedulerCore:
         self._held: deque[tuple[int, list[BlockHash]]] = deque()  # (load_seq, pinned keys)
         self._load_seq = 0
         self._step = 0
-        self._next_stale_scan = 0  # the first step a tracked request could be stale
+        self._oldest_seen = 0  # no tracked request was last seen before this step
 
     def attach(self, shards: ShardStores, *, board: CompletionBoard, manager: str) -> None:
         """Start claiming and saving over ``shards`` (every worker has registered).
@@ -385,20 +385,19 @@ class SchedulerCore:
     def _forget_stale(self) -> None:
         """Drop requests missing from the scheduler output for :attr:`STALE_STEPS` steps.
 
-        Looks at every request only from the step the oldest one could first be stale
-        (``last_seen`` only grows, and new requests start at the current step): once per
-        ``STALE_STEPS + 1`` steps in a steady batch, not every step.
+        Looks at every request only once the oldest ``last_seen`` of the last look could be
+        stale (``last_seen`` only grows, and new requests start at the current step): once
+        per ``STALE_STEPS + 1`` steps in a steady batch, not every step.
         """
-        if self._step < self._next_stale_scan:
-            return
         horizon = self._step - self.STALE_STEPS
+        if horizon <= self._oldest_seen:
+            return
         stale = [rid for rid, s in self._requests.items() if s.last_seen < horizon]
         for rid in stale:
             self._release_unplanned(self._requests.pop(rid))
         if stale:
             self._metric("connector_forgotten_requests", len(stale))
-        oldest = min((s.last_seen for s in self._requests.values()), default=self._step)
-        self._next_stale_scan = oldest + self.STALE_STEPS + 1
+        self._oldest_seen = min((s.last_seen for s in self._requests.values()), default=self._step)
 
     def _metric(self, name: str, amount: int = 1) -> None:
         if self.shards is not None:
