@@ -18,10 +18,13 @@ prompts of ``gpu_ab.py``; a fresh prompt per request; the variants rotate per tr
 Rows (JSON lines): ``gpu.decode_interference_ms`` per variant, the median over trials of the
 host time of the decode steps after the first two iterations (``value``), with per step
 position the median host ms (``steps_ms``) and the engine thread's CPU ms (``cpu_ms``; where
-``steps_ms`` exceeds it, the step waited, e.g. for the GIL), and ``over_none`` (value /
-none's value).
+``steps_ms`` exceeds it, the step waited, e.g. for the GIL), ``over_none`` (value / none's
+value) and ``extra_ms`` (value - none's: the decode time the variant cost in all; with
+``--new-tokens`` long enough to outlast the saves, it compares settings that spread the same
+work over more or fewer steps).
 
-Usage: ``python benchmarks/gpu_decode_interference.py [--shape llama3-8b:8] [--trials 9]``
+Usage: ``python benchmarks/gpu_decode_interference.py [--shape llama3-8b:8] [--trials 9]
+[--codec-processes 4] [--new-tokens 16] [--variants none,connector]``
 (needs CUDA).
 """
 
@@ -96,7 +99,7 @@ def one_request(
     """A cold prompt alone: host ms and engine-thread CPU ms of each decode step."""
     settle(executor)
     time.sleep(0.05)
-    rid = executor.submit(prompt, NEW_TOKENS)
+    rid = executor.submit(prompt, args.new_tokens)
     executor.step()
     executor.step()
     burster = None
@@ -132,6 +135,9 @@ def main() -> int:
     parser.add_argument("--shape", default="llama3-8b:8")
     parser.add_argument("--trials", type=int, default=9)
     parser.add_argument("--codec-processes", type=int, default=4)
+    parser.add_argument(
+        "--new-tokens", type=int, default=NEW_TOKENS, help="decode steps per request (+1)"
+    )
     parser.add_argument("--blocks", type=int, default=64, help="blocks each encoder encodes")
     parser.add_argument("--bursts", type=int, default=6)
     parser.add_argument("--burst-ms", type=float, default=1.0)
@@ -183,7 +189,8 @@ def main() -> int:
             "unit": "ms", "variant": variant,
             "over_none": round(totals[variant] / totals["none"], 3),
             "steps_ms": by_position(walls[variant]), "cpu_ms": by_position(cpus[variant]),
-            "shape": label, "trials": args.trials, "new_tokens": NEW_TOKENS,
+            "extra_ms": round(totals[variant] - totals["none"], 2),
+            "shape": label, "trials": args.trials, "new_tokens": args.new_tokens,
             "codec_processes": args.codec_processes, "encoders": ENCODERS,
             "encoded_blocks": ENCODERS * args.blocks, "bursts": args.bursts,
             "burst_ms": args.burst_ms, "device": torch.cuda.get_device_name(0),
