@@ -176,6 +176,27 @@ def test_a_forward_pass_that_skips_a_hook_awaits_the_rest_and_stops_deferring() 
     assert engine.waits[-1] == "load1/group2", "awaited whole again, before the forward"
 
 
+def test_a_pass_replayed_without_hooks_keeps_the_per_layer_waits() -> None:
+    # TensorRT-LLM replays decode-only batches from CUDA graphs (the default), which run no
+    # Python hook: before, one such pass turned the per-layer waits off for the next load.
+    core, engine, store, _ = worker(min_group_bytes=128)
+    forward(core)  # an eager pass: every hook ran
+    forward(core, layers=range(0))  # a replayed decode step: no hook, no load
+    assert core.layer_waits
+    load(core, store, 1, {3: 1})
+    assert engine.waits == [], "still awaited group by group, in the hooks"
+    forward(core)
+    assert engine.waits == ["load0/group0", "load0/group1", "load0/group2"]
+
+
+def test_a_pass_without_hooks_before_any_hook_ran_keeps_loads_awaited_whole() -> None:
+    core, engine, store, _ = worker(min_group_bytes=128)
+    forward(core, layers=range(0))
+    assert not core.layer_waits
+    load(core, store, 1, {3: 1})
+    assert engine.waits == ["load0/group2"], "whole, before the forward pass"
+
+
 def test_a_save_without_the_forward_pass_callable_never_leaves_a_load_unawaited() -> None:
     core, engine, store, _ = worker(min_group_bytes=128)
     forward(core)

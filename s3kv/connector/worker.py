@@ -277,7 +277,15 @@ class WorkerCore:
 
         Also where the layer hooks are judged: a pass that asked for every layer lets later
         loads be awaited layer group by layer group; loads a pass did not await entirely are
-        awaited now (a hook that never ran) and later loads are awaited whole again.
+        awaited now (a hook that never ran) and later loads are awaited whole again. A pass
+        with no load that ran no hook at all says nothing about them.
+
+        NOTE: TensorRT-LLM replays decode-only batches from CUDA graphs by default
+        (``TorchLlmArgs.cuda_graph_config``, ``llmapi/llm_args.py`` @``fcd3f316``), also with
+        a connector (``py_executor_creator.py`` @``000429d5`` no longer refuses it). A
+        replayed graph runs no Python hook; such a pass between two eager ones must not
+        turn the per-layer waits off. A batch with loads has a context request, and those
+        are never replayed from a graph.
         """
         engine = self._engine_for(self._stream)
         if self._unawaited:
@@ -287,7 +295,7 @@ class WorkerCore:
             )
             self._await_all(self._stream)
             self.layer_waits = False
-        else:
+        elif self._hooked:
             self.layer_waits = len(self._hooked) >= self.num_layers
         self._hooked.clear()
         engine.mark_forward(self._stream)
