@@ -83,6 +83,7 @@ def executor(
     model: PagedLlama | None = None,
     stall_timeout_s: float = 60.0,
     late_device: bool | None = None,
+    runtime: str = "main",
     **overrides: Any,
 ) -> PyExecutorEmulator:
     """An executor on the tiny model, with ``rec``'s classes as the connector (if given)."""
@@ -99,6 +100,7 @@ def executor(
         overlap=overlap,
         stall_timeout_s=stall_timeout_s,
         late_device=late_device,
+        runtime=runtime,  # type: ignore[arg-type]
         **classes,
     )
 

@@ -18,7 +18,7 @@ from _emulator import prompt, tiny_model
 
 from s3kv.connector.scheduler import SchedulerCore
 from s3kv.connector.shared import process_state
-from s3kv.connector.trtllm import S3KVConnectorScheduler
+from s3kv.connector.trtllm import S3KVConnectorScheduler, S3KVConnectorWorker
 from s3kv.testing.emulator.executor import PyExecutorEmulator
 from s3kv.testing.emulator.instance import S3KV_CONNECTOR
 from s3kv.testing.emulator.kv_cache_manager_v2 import KVCacheManagerV2
@@ -29,7 +29,13 @@ SYSTEMS = [prompt(6 * TPB, seed=71), prompt(4 * TPB, seed=72)]
 
 
 def engine(
-    *, runtime: str, overlap: bool, v2: bool, connector: bool = True, chunked: bool = True
+    *,
+    runtime: str,
+    overlap: bool,
+    v2: bool,
+    connector: bool = True,
+    chunked: bool = True,
+    graphs: bool = False,
 ) -> PyExecutorEmulator:
     args = TorchLlmArgs(
         kv_cache_config=KvCacheConfig(
@@ -39,6 +45,7 @@ def engine(
         enable_chunked_prefill=chunked,
         max_num_tokens=24 if chunked else 8192,
         disable_overlap_scheduler=not overlap,
+        cuda_graph_config=object() if graphs else None,
     )
     return PyExecutorEmulator(
         args, tiny_model(TPB), num_blocks=96, runtime=runtime,  # type: ignore[arg-type]
@@ -86,6 +93,34 @@ def test_redeploy_hits_with_identical_tokens(
     assert scheduler.core is not None
     assert scheduler.core.manager == ("v2" if v2 else "v1")
     assert scheduler.core.tracked_requests == 0
+
+
+@pytest.mark.parametrize("v2", [False, True], ids=["v1", "v2"])
+@pytest.mark.parametrize("overlap", [False, True], ids=["plain", "overlap"])
+def test_cuda_graph_decode_keeps_hits_identical_and_loads_awaited_per_layer(
+    file_bucket: Path, overlap: bool, v2: bool
+) -> None:
+    # Main, CUDA graphs on (TensorRT-LLM's default): decode-only batches replay a graph and
+    # run no layer hook. A hit after such steps must still load right, and its load must
+    # still be awaited layer group by layer group (a replayed step proves nothing about the
+    # hooks: before, it turned the per-layer waits off).
+    asks = [SYSTEMS[0] + prompt(5, seed=73), SYSTEMS[1] + prompt(7, seed=74)]
+    kw = {"runtime": "main", "overlap": overlap, "v2": v2, "graphs": True}
+    plain = engine(connector=False, **kw)
+    expected = [serve(plain, [ask])[0][0] for ask in asks]
+    serve(engine(**kw), [SYSTEMS[0] + prompt(3, seed=75), SYSTEMS[1] + prompt(3, seed=76)])
+    process_state().close_all()
+    reader = engine(**kw)
+    served = [serve(reader, [ask]) for ask in asks]
+    assert [tokens[0] for tokens, _ in served] == expected
+    assert [claimed[0] for _, claimed in served] == [len(SYSTEMS[0]), len(SYSTEMS[1])]
+    manager = reader.connector_manager
+    assert manager is not None
+    assert not manager.has_pending_transfers()
+    worker = manager.worker
+    assert isinstance(worker, S3KVConnectorWorker)
+    assert worker.core is not None
+    assert worker.core.layer_waits, "the decode replays left the per-layer waits on"
 
 
 @pytest.mark.parametrize("overlap", [False, True], ids=["plain", "overlap"])

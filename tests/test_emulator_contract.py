@@ -74,6 +74,35 @@ def test_forward_pass_callable_once_per_forward(overlap: bool) -> None:
     assert rec.worker.forward_pass.call_count == ex.forward_passes == 5
 
 
+@pytest.mark.parametrize("overlap", [True, False])
+def test_cuda_graphs_replay_decode_only_batches_without_layer_hooks(overlap: bool) -> None:
+    # Main accepts CUDA graphs with a connector (py_executor_creator.py @ 000429d5 has no
+    # refusal; cuda_graph_config is on by default): a decode-only batch replays a graph,
+    # which runs no Python layer hook; a batch with a context request runs eagerly.
+    rec = RecordingConnector()
+    ex = executor(rec, overlap=overlap, cuda_graph_config=object())
+    ex.generate([prompt(10)], 5)
+    layers = ex.model.geometry.num_layers
+    hooks = [name for name, _ in rec.log if name in ("wait_for_layer_load", "wait_for_save")]
+    passes: list[int] = []  # layer hooks before each pass's wait_for_save
+    count = 0
+    for name in hooks:
+        if name == "wait_for_layer_load":
+            count += 1
+        else:
+            passes.append(count)
+            count = 0
+    assert passes == [layers] + [0] * (ex.forward_passes - 1), "the prefill alone is eager"
+    assert rec.worker.forward_pass.call_count == ex.forward_passes == 5
+    assert [name for name, _ in rec.log].count("save_kv_layer") == layers
+
+
+def test_cuda_graphs_with_a_connector_are_refused_on_the_1_2_runtime_only() -> None:
+    with pytest.raises(UnsupportedConfiguration, match="CUDA graphs"):
+        executor(RecordingConnector(), runtime="1.2", cuda_graph_config=object())
+    executor(RecordingConnector(), cuda_graph_config=object())
+
+
 def test_no_forward_pass_callable_is_fine() -> None:
     rec = RecordingConnector(provide_forward_pass_callable=False)
     executor(rec).generate([prompt(10)], 3)
@@ -217,9 +246,9 @@ def test_async_save_holds_blocks_until_get_finished() -> None:
         {"max_beam_width": 2},
         {"enable_attention_dp": True},
         {"kvcache_host_cache_size": 1 << 30},
-        {"cuda_graph_config": object()},
+        {"cuda_graph_config": object(), "runtime": "1.2"},
     ],
-    ids=["pp", "cp", "beam", "adp", "host-cache", "cuda-graphs"],
+    ids=["pp", "cp", "beam", "adp", "host-cache", "cuda-graphs-1.2"],
 )
 def test_envelope_rejections(overrides: dict[str, Any]) -> None:
     with pytest.raises(UnsupportedConfiguration) as info:

@@ -184,13 +184,13 @@ class PyExecutorEmulator:
         self.connector_manager: KvCacheConnectorManager | None = None
         forward_callable = None
         if classes is not None:
-            _check_creator_envelope(llm_args)
+            _check_creator_envelope(llm_args, runtime)
             worker, scheduler = _instantiate(llm_args, *classes, rank=rank)
             forward_callable = worker.register_forward_pass_callable()
             self.connector_manager = KvCacheConnectorManager(
                 worker, scheduler, collectives=self.collectives, stream=self.current_stream
             )
-        _check_executor_envelope(llm_args, connector=classes is not None)
+        _check_executor_envelope(llm_args, runtime, connector=classes is not None)
         self.pool = self.model.new_pool(num_blocks)
         manager_cls = KVCacheManagerV2 if kv_config.use_kv_cache_manager_v2 else KVCacheManager
         self.kv_cache_manager: KVCacheManager = manager_cls(
@@ -221,6 +221,7 @@ class PyExecutorEmulator:
             clock=time.perf_counter,
             device=self.device,
             runtime=runtime,
+            graph_decode=llm_args.cuda_graph_config is not None,
         )
         # NOTE: the first max_batch_size ids are reserved for dummy requests upstream.
         self._next_id = llm_args.max_batch_size
@@ -471,8 +472,11 @@ def _instantiate(
         return worker_task.result(), scheduler
 
 
-def _check_creator_envelope(llm_args: TorchLlmArgs) -> None:
-    if llm_args.cuda_graph_config is not None:
+def _check_creator_envelope(llm_args: TorchLlmArgs, runtime: str) -> None:
+    # NOTE: the first connector release refused CUDA graphs here; main's
+    # py_executor_creator.py (@ 000429d5) and PyExecutor (the 445 kB py_executor.py) do not.
+    # Kept for the 1.2-era runtime, whose acceptance is not established here.
+    if llm_args.cuda_graph_config is not None and runtime == "1.2":
         raise UnsupportedConfiguration("CUDA graphs are not supported with KV connector hooks.")
     policy = llm_args.scheduler_config.capacity_scheduler_policy
     if policy != CapacitySchedulerPolicy.GUARANTEED_NO_EVICT:
@@ -481,7 +485,7 @@ def _check_creator_envelope(llm_args: TorchLlmArgs) -> None:
         )
 
 
-def _check_executor_envelope(llm_args: TorchLlmArgs, *, connector: bool) -> None:
+def _check_executor_envelope(llm_args: TorchLlmArgs, runtime: str, *, connector: bool) -> None:
     checks = [
         (
             llm_args.pipeline_parallel_size > 1 or llm_args.context_parallel_size > 1,
@@ -493,7 +497,10 @@ def _check_executor_envelope(llm_args: TorchLlmArgs, *, connector: bool) -> None
             bool(llm_args.kv_cache_config.host_cache_size),
             "KV cache host offloading (KvCacheConfig.host_cache_size)",
         ),
-        (llm_args.cuda_graph_config is not None, "CUDA graphs (cuda_graph_config)"),
+        (
+            llm_args.cuda_graph_config is not None and runtime == "1.2",
+            "CUDA graphs (cuda_graph_config)",
+        ),
         (
             llm_args.scheduler_config.capacity_scheduler_policy
             != CapacitySchedulerPolicy.GUARANTEED_NO_EVICT,

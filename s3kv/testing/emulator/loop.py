@@ -13,6 +13,9 @@ Plain loop (``disable_overlap_scheduler=True``), per iteration:
    ``_handle_canceled_requests``, responses and termination, ``update_resources``;
 3. ``get_finished`` (every iteration, even an empty one); finished saves are terminated.
 
+With CUDA graphs on (the main runtime only), a batch of decode steps alone runs without the
+layer hooks, as a replayed graph does.
+
 Overlap loop: the same, except that the forward pass of iteration *k* runs before the
 results of iteration *k-1* are committed: tokens, ``request_finished``, termination and
 ``update_resources`` for the previous batch happen after this batch's forward pass. So a
@@ -95,8 +98,10 @@ class ExecutorLoop:
         clock: Callable[[], float],
         device: LateDevice | None = None,
         runtime: str = "main",
+        graph_decode: bool = False,
     ) -> None:
         self.runtime = runtime  # "main" or "1.2": where handle_metadata is called
+        self.graph_decode = graph_decode  # decode-only batches replay a CUDA graph
         self.canceled: set[int] = set()  # ids cancelled, not yet handled
         self.errors: dict[int, str] = {}  # request id -> error message (fail_all)
         self.model = model
@@ -200,7 +205,12 @@ class ExecutorLoop:
             return out
 
         hooks: dict[str, Any] = {}
-        if self.connector is not None:
+        # NOTE: a decode-only batch replays a captured CUDA graph when CUDA graphs are on
+        # (TorchLlmArgs.cuda_graph_config, on by default: llmapi/llm_args.py @ fcd3f316):
+        # the decoder layers' Python hooks do not run; the forward-pass callable and
+        # wait_for_save still do.
+        replayed = self.graph_decode and not batch.context_requests
+        if self.connector is not None and not replayed:
             hooks = {
                 "pre_layer": self.connector.layer_pre_hook,
                 "post_layer": self.connector.layer_post_hook,
