@@ -97,14 +97,17 @@ def worker(min_group_bytes: int) -> tuple[WorkerCore, FakeEngine, FakeStore, tor
     return core, engine, store, pool
 
 
-def load(core: WorkerCore, store: FakeStore, seq: int, blocks: dict[int, int]) -> None:
+def load(
+    core: WorkerCore, store: FakeStore, seq: int, blocks: dict[int, int], *, whole: bool = False
+) -> None:
     """Claimed blocks ``{block_id: fill byte}`` as one load batch."""
     ops = []
     for block_id, fill in blocks.items():
         key = bytes([seq, block_id]) * 8
         store.stage(key, fill)
         ops.append(LoadOp(block_id, key))
-    core.start_load(ConnectorMetadata(loads=tuple(ops), load_seq=seq), stream=None)
+    meta = ConnectorMetadata(loads=tuple(ops), load_seq=seq, whole_loads=whole)
+    core.start_load(meta, stream=None)
 
 
 def forward(core: WorkerCore, layers: range = range(LAYERS)) -> None:
@@ -187,6 +190,18 @@ def test_a_pass_replayed_without_hooks_keeps_the_per_layer_waits() -> None:
     assert engine.waits == [], "still awaited group by group, in the hooks"
     forward(core)
     assert engine.waits == ["load0/group0", "load0/group1", "load0/group2"]
+
+
+def test_loads_marked_whole_are_awaited_before_the_forward_pass_even_with_layer_waits() -> None:
+    # A request left one token may run in a decode CUDA graph, where no hook would await them.
+    core, engine, store, _ = worker(min_group_bytes=128)
+    forward(core)
+    assert core.layer_waits
+    load(core, store, 1, {3: 1}, whole=True)
+    assert engine.waits == ["load0/group2"], "whole, before the forward pass"
+    forward(core, layers=range(0))  # replayed: no hook
+    assert engine.waits == ["load0/group2"], "nothing left to await at the pass's end"
+    assert core.layer_waits
 
 
 def test_a_pass_without_hooks_before_any_hook_ran_keeps_loads_awaited_whole() -> None:

@@ -124,6 +124,28 @@ def test_cuda_graph_decode_keeps_hits_identical_and_loads_awaited_per_layer(
 
 
 @pytest.mark.parametrize("overlap", [False, True], ids=["plain", "overlap"])
+def test_a_hit_left_one_token_under_cuda_graphs_is_loaded_before_the_replayed_pass(
+    file_bucket: Path, caplog: pytest.LogCaptureFixture, overlap: bool
+) -> None:
+    # A prompt of k blocks + 1 token, all k claimed: its one-token context runs in a decode
+    # graph (no layer hook), so its loads must be awaited before the forward pass. Before,
+    # after an eager pass they were left to hooks that never ran (awaited only at the end).
+    system = SYSTEMS[0]
+    ask = [system + prompt(1, seed=81)]
+    kw = {"runtime": "main", "overlap": overlap, "v2": False, "graphs": True}
+    expected, _ = serve(engine(connector=False, **kw), ask)
+    serve(engine(**kw), [system + prompt(3, seed=82)])
+    process_state().close_all()
+    reader = engine(**kw)
+    serve(reader, [prompt(20, seed=83)])  # an eager prefill first: per-layer waits on
+    caplog.clear()
+    tokens, claimed = serve(reader, ask)
+    assert tokens == expected
+    assert claimed == [len(system)]
+    assert "did not run for every layer" not in caplog.text
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["plain", "overlap"])
 def test_v2_honouring_less_than_offered_loads_exactly_the_honoured_blocks(
     file_bucket: Path, monkeypatch: pytest.MonkeyPatch, overlap: bool
 ) -> None:

@@ -100,6 +100,22 @@ def test_claims_staged_whole_blocks() -> None:
     assert store.staging.pin_leading(chain_hashes(PROMPT, TPB)) == 4
 
 
+def test_loads_of_a_request_left_one_token_are_awaited_whole() -> None:
+    # main may run a final one-token context in a decode CUDA graph: no layer hook runs.
+    core, _ = staged_core()
+    assert core.get_num_new_matched_tokens(view(FakeRequest(1, PROMPT)), 0) == 16
+    core.update_state_after_alloc(1, [0, 1, 2, 3, 4])
+    meta = core.build_connector_meta([first_report(1, PROMPT, [0, 1, 2, 3, 4], 0, 1)], [])
+    assert len(meta.loads) == 4
+    assert meta.whole_loads
+    core, _ = staged_core()
+    assert core.get_num_new_matched_tokens(view(FakeRequest(2, PROMPT[:16])), 0) == 12
+    core.update_state_after_alloc(2, [0, 1, 2, 3])
+    meta = core.build_connector_meta([first_report(2, PROMPT[:16], [0, 1, 2, 3], 0, 4)], [])
+    assert len(meta.loads) == 3
+    assert not meta.whole_loads, "four tokens to compute: a context pass, hooks run"
+
+
 def test_never_claims_the_whole_prompt() -> None:
     core, _ = staged_core()
     # 16 tokens = exactly 4 blocks: at most 15 may be claimed, so only 3 whole blocks.

@@ -198,6 +198,10 @@ class ConnectorMetadata:
         board: Path of the shared completion board (tensor parallel), else ''.
         relay: Path of the write relay through which the other ranks report their saves to
             the layout's shared manifest (tensor parallel, with saves), else ''.
+        whole_loads: Await the loads whole before the forward pass, never layer by layer:
+            a request among them computes one prompt token, and TensorRT-LLM may run such a
+            final one-token context in a decode CUDA graph, which calls no layer hook
+            (``_make_single_token_context_graph_batch``, ``model_engine.py`` on main).
     """
 
     loads: tuple[LoadOp, ...] = ()
@@ -206,6 +210,7 @@ class ConnectorMetadata:
     load_seq: int = 0
     board: str = ""
     relay: str = ""
+    whole_loads: bool = False
 
 
 EMPTY = ConnectorMetadata()

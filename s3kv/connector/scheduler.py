@@ -103,6 +103,7 @@ class SchedulerCore:
         self.manager = "v1"  # "v2": KVCacheManagerV2 (honoured counts, per-chunk pages)
         self._requests: dict[int, _Request] = {}
         self._ready_loads: list[LoadOp] = []  # planned, not yet handed to the workers
+        self._ready_whole = False  # one of them computes one prompt token: await whole
         self._held: deque[tuple[int, list[BlockHash]]] = deque()  # (load_seq, pinned keys)
         self._load_seq = 0
         self._step = 0
@@ -272,6 +273,7 @@ class SchedulerCore:
         raised, so claimed loads still reach the workers.
         """
         loads, self._ready_loads = tuple(self._ready_loads), []
+        whole, self._ready_whole = self._ready_whole, False
         if not loads and not saves:
             return EMPTY
         seq = 0
@@ -282,7 +284,7 @@ class SchedulerCore:
         arenas = self.shards.arenas if loads and self.shards is not None else ()
         relay = self.shards.relay if saves and self.shards is not None else ""
         board = self.board.path if loads else ""
-        return ConnectorMetadata(loads, saves, arenas, seq, board, relay)
+        return ConnectorMetadata(loads, saves, arenas, seq, board, relay, whole and bool(loads))
 
     def _plan_request_saves(
         self, state: _Request, data: StepReport, *, first: bool
@@ -312,6 +314,11 @@ class SchedulerCore:
             for block_id, key, where in zip(block_ids, claimed, slots, strict=True)
         )
         state.loads_planned = True
+        # NOTE: a request left with one prompt token to compute may run in a decode CUDA
+        # graph (main's model_engine.py, _make_single_token_context_graph_batch): no layer
+        # hook then, so its loads must be awaited before the forward pass.
+        if state.prompt_len - needed * self.tokens_per_block <= 1:
+            self._ready_whole = True
 
     def _plan_saves(self, state: _Request, valid_tokens: int) -> _PlannedSaves:
         """This request's blocks to save, full by ``valid_tokens``: their block ids, keys

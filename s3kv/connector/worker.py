@@ -284,8 +284,9 @@ class WorkerCore:
         (``TorchLlmArgs.cuda_graph_config``, ``llmapi/llm_args.py`` @``fcd3f316``), also with
         a connector (``py_executor_creator.py`` @``000429d5`` no longer refuses it). A
         replayed graph runs no Python hook; such a pass between two eager ones must not
-        turn the per-layer waits off. A batch with loads has a context request, and those
-        are never replayed from a graph.
+        turn the per-layer waits off. A batch with loads may be replayed only where a
+        request computes one prompt token (a final one-token context); the scheduler marks
+        those loads to be awaited whole (``ConnectorMetadata.whole_loads``).
         """
         engine = self._engine_for(self._stream)
         if self._unawaited:
@@ -356,7 +357,7 @@ class WorkerCore:
             events = engine.load(targets, sources, self._byte_bounds, stream)
             event = events[-1]
             load = _LoadInFlight(events, self._layer_bounds)
-            if self.layer_waits:
+            if self.layer_waits and not metadata.whole_loads:
                 self._unawaited.append(load)  # NOTE: awaited layer group by layer group
             else:
                 engine.wait(event, stream)

@@ -13,8 +13,8 @@ Plain loop (``disable_overlap_scheduler=True``), per iteration:
    ``_handle_canceled_requests``, responses and termination, ``update_resources``;
 3. ``get_finished`` (every iteration, even an empty one); finished saves are terminated.
 
-With CUDA graphs on (the main runtime only), a batch of decode steps alone runs without the
-layer hooks, as a replayed graph does.
+With CUDA graphs on (the main runtime only), a batch of decode steps alone, or with final
+one-token context chunks only, runs without the layer hooks, as a replayed graph does.
 
 Overlap loop: the same, except that the forward pass of iteration *k* runs before the
 results of iteration *k-1* are committed: tokens, ``request_finished``, termination and
@@ -206,10 +206,15 @@ class ExecutorLoop:
 
         hooks: dict[str, Any] = {}
         # NOTE: a decode-only batch replays a captured CUDA graph when CUDA graphs are on
-        # (TorchLlmArgs.cuda_graph_config, on by default: llmapi/llm_args.py @ fcd3f316):
-        # the decoder layers' Python hooks do not run; the forward-pass callable and
-        # wait_for_save still do.
-        replayed = self.graph_decode and not batch.context_requests
+        # (TorchLlmArgs.cuda_graph_config, on by default: llmapi/llm_args.py @ fcd3f316),
+        # and so does one whose contexts are all final one-token chunks (main's
+        # _make_single_token_context_graph_batch, engine/runners/decoder/runner.py @
+        # 0ea8c1de): the decoder layers' Python hooks do not run; the forward-pass callable
+        # and wait_for_save still do.
+        replayed = self.graph_decode and all(
+            req.context_chunk_size == 1 and req.context_current_position + 1 == req.prompt_len
+            for req in batch.context_requests
+        )
         if self.connector is not None and not replayed:
             hooks = {
                 "pre_layer": self.connector.layer_pre_hook,
