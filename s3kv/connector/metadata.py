@@ -201,7 +201,8 @@ class ConnectorMetadata:
         whole_loads: Await the loads whole before the forward pass, never layer by layer:
             a request among them computes one prompt token, and TensorRT-LLM may run such a
             final one-token context in a decode CUDA graph, which calls no layer hook
-            (``_make_single_token_context_graph_batch``, ``model_engine.py`` on main).
+            (``_make_single_token_context_graph_batch``,
+            ``_torch/pyexecutor/engine/runners/decoder/runner.py`` @``fcc4432b``).
     """
 
     loads: tuple[LoadOp, ...] = ()

@@ -284,7 +284,7 @@ class SchedulerCore:
         arenas = self.shards.arenas if loads and self.shards is not None else ()
         relay = self.shards.relay if saves and self.shards is not None else ""
         board = self.board.path if loads else ""
-        return ConnectorMetadata(loads, saves, arenas, seq, board, relay, whole and bool(loads))
+        return ConnectorMetadata(loads, saves, arenas, seq, board, relay, whole)
 
     def _plan_request_saves(
         self, state: _Request, data: StepReport, *, first: bool
@@ -315,8 +315,9 @@ class SchedulerCore:
         )
         state.loads_planned = True
         # NOTE: a request left with one prompt token to compute may run in a decode CUDA
-        # graph (main's model_engine.py, _make_single_token_context_graph_batch): no layer
-        # hook then, so its loads must be awaited before the forward pass.
+        # graph (_make_single_token_context_graph_batch, _torch/pyexecutor/engine/runners/
+        # decoder/runner.py @ fcc4432b): no layer hook then, so its loads must be awaited
+        # before the forward pass.
         if state.prompt_len - needed * self.tokens_per_block <= 1:
             self._ready_whole = True
 

@@ -285,8 +285,10 @@ class WorkerCore:
         a connector (``py_executor_creator.py`` @``000429d5`` no longer refuses it). A
         replayed graph runs no Python hook; such a pass between two eager ones must not
         turn the per-layer waits off. A batch with loads may be replayed only where a
-        request computes one prompt token (a final one-token context); the scheduler marks
-        those loads to be awaited whole (``ConnectorMetadata.whole_loads``).
+        request computes one prompt token (a final one-token context:
+        ``_make_single_token_context_graph_batch``, ``_torch/pyexecutor/engine/runners/
+        decoder/runner.py`` @``fcc4432b``); the scheduler marks those loads to be awaited
+        whole (``ConnectorMetadata.whole_loads``).
         """
         engine = self._engine_for(self._stream)
         if self._unawaited:

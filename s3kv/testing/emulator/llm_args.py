@@ -95,9 +95,10 @@ class TorchLlmArgs:
         enable_chunked_prefill: Split long prompts into ``max_num_tokens`` chunks.
         disable_overlap_scheduler: ``False`` (TensorRT-LLM's default) runs the overlap loop.
         cuda_graph_config: ``None`` (here the default), or any object for CUDA graphs: on
-            the main runtime a batch of decode steps alone then runs without the layer hooks,
-            as a replayed graph does (TensorRT-LLM turns them on by default); refused with
-            a connector on the 1.2-era runtime.
+            the main runtime a batch of decode steps, or of final one-token context chunks
+            with them, then runs without the layer hooks, as a replayed graph does
+            (TensorRT-LLM turns them on by default); refused with a connector on the
+            1.2-era runtime.
         kv_cache_config: See :class:`KvCacheConfig`.
         scheduler_config: See :class:`SchedulerConfig`.
         kv_connector_config: Classes to import, or ``None`` for no connector (unless the

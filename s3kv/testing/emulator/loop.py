@@ -101,7 +101,7 @@ class ExecutorLoop:
         graph_decode: bool = False,
     ) -> None:
         self.runtime = runtime  # "main" or "1.2": where handle_metadata is called
-        self.graph_decode = graph_decode  # decode-only batches replay a CUDA graph
+        self.graph_decode = graph_decode  # decode(-shaped) batches replay a CUDA graph
         self.canceled: set[int] = set()  # ids cancelled, not yet handled
         self.errors: dict[int, str] = {}  # request id -> error message (fail_all)
         self.model = model
@@ -208,9 +208,9 @@ class ExecutorLoop:
         # NOTE: a decode-only batch replays a captured CUDA graph when CUDA graphs are on
         # (TorchLlmArgs.cuda_graph_config, on by default: llmapi/llm_args.py @ fcd3f316),
         # and so does one whose contexts are all final one-token chunks (main's
-        # _make_single_token_context_graph_batch, engine/runners/decoder/runner.py @
-        # 0ea8c1de): the decoder layers' Python hooks do not run; the forward-pass callable
-        # and wait_for_save still do.
+        # _make_single_token_context_graph_batch, _torch/pyexecutor/engine/runners/decoder/
+        # runner.py @ fcc4432b): the decoder layers' Python hooks do not run; the
+        # forward-pass callable and wait_for_save still do.
         replayed = self.graph_decode and all(
             req.context_chunk_size == 1 and req.context_current_position + 1 == req.prompt_len
             for req in batch.context_requests
