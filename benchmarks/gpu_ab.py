@@ -174,9 +174,12 @@ def prompts(vocab: int, prefix_tokens: int, trials: int) -> dict[str, Any]:
 
 
 def executor_for(
-    label: str, model: PagedLlama, *, connector: bool, num_blocks: int
+    label: str, model: PagedLlama, *, connector: bool, num_blocks: int, cuda_graphs: bool = True
 ) -> PyExecutorEmulator:
+    """The emulated engine; ``cuda_graphs`` replays decode passes from captured graphs, as
+    TensorRT-LLM does by default (``cuda_graph_config``, on unless set to ``None``)."""
     args = TorchLlmArgs(
+        cuda_graph_config=object() if cuda_graphs else None,
         model=f"random-{label}-seed{SEED}",
         dtype="bfloat16",
         max_num_tokens=8192 + 1024,
@@ -403,8 +406,13 @@ def writer(rank: int, world: int, job: dict[str, Any]) -> dict[str, Any]:
     timer = ConnectorTimer()
     model = build_model(job["shape"], job["device"], torch.bfloat16)
     check = attention_check(job["shape"], job["device"])
-    conn = executor_for(job["label"], model, connector=True, num_blocks=pool_blocks(job))
-    ref = executor_for(job["label"], model, connector=False, num_blocks=pool_blocks(job))
+    graphs = job["cuda_graphs"]
+    conn = executor_for(
+        job["label"], model, connector=True, num_blocks=pool_blocks(job), cuda_graphs=graphs
+    )
+    ref = executor_for(
+        job["label"], model, connector=False, num_blocks=pool_blocks(job), cuda_graphs=graphs
+    )
     warm = job["prompts"]["warmup"]["writer"]
     warm_up(conn, *warm)
     warm_up(ref, *warm)
@@ -475,7 +483,10 @@ def reader(rank: int, world: int, job: dict[str, Any]) -> dict[str, Any]:
     timer = ConnectorTimer()
     model = build_model(job["shape"], job["device"], torch.bfloat16)
     started = time.perf_counter()
-    conn = executor_for(job["label"], model, connector=True, num_blocks=pool_blocks(job))
+    conn = executor_for(
+        job["label"], model, connector=True, num_blocks=pool_blocks(job),
+        cuda_graphs=job["cuda_graphs"],
+    )  # fmt: skip
     startup_s = time.perf_counter() - started
     warm_up(conn, *job["prompts"]["warmup"]["reader"])
     manager = conn.connector_manager
@@ -694,6 +705,7 @@ def run_shape(label: str, shape: dict[str, Any], args: argparse.Namespace) -> di
         "prompts": prompts(shape["vocab"], prefix_tokens, args.trials),
         "codec_processes": args.codec_processes, "engine_cpus": args.engine_cpus,
         "codec_cpus": args.codec_cpus, "bucket_dir": args.bucket_dir or tempfile.gettempdir(),
+        "cuda_graphs": args.cuda_graphs == "on",
     }  # fmt: skip
     # NOTE: the bucket stands for a remote one, whose writes cost this host no disk I/O; in
     # memory (tmpfs) neither do these. Two runs of each on an H100 host did not tell the two
@@ -764,7 +776,7 @@ def report(
         "prompt_tokens": job["prefix_tokens"] + SUFFIX, "prefix_tokens": job["prefix_tokens"],
         "codec_processes": job.get("codec_processes", 0),
         "engine_cpus": job.get("engine_cpus", ""), "codec_cpus": job.get("codec_cpus", "auto"),
-        "bucket_dir": job.get("bucket_dir", ""),
+        "bucket_dir": job.get("bucket_dir", ""), "cuda_graphs": job.get("cuda_graphs", False),
     }  # fmt: skip
     loaded = [r["connector_tokens"] // TPB for r in read["trials"]]
     load_bytes = statistics.median(loaded) * block_nbytes
@@ -914,6 +926,10 @@ def main() -> int:
         "memory, as a remote bucket costs this host no disk writes; else the temp folder)",
     )
     parser.add_argument("--staging", default="6GiB")
+    parser.add_argument(
+        "--cuda-graphs", choices=("on", "off"), default="on",
+        help="replay decode passes from captured CUDA graphs (TensorRT-LLM's default: on)",
+    )  # fmt: skip
     parser.add_argument("--load-groups", default="default",
                         help="comma-separated per-block layer-group sizes, reader trials "
                              "take them in turn ('default': the connector's)")  # fmt: skip

@@ -24,7 +24,7 @@ value) and ``extra_ms`` (value - none's: the decode time the variant cost in all
 work over more or fewer steps).
 
 Usage: ``python benchmarks/gpu_decode_interference.py [--shape llama3-8b:8] [--trials 9]
-[--codec-processes 4] [--new-tokens 16] [--variants none,connector]``
+[--codec-processes 4] [--new-tokens 16] [--variants none,connector] [--cuda-graphs on]``
 (needs CUDA).
 """
 
@@ -145,6 +145,10 @@ def main() -> int:
     parser.add_argument(
         "--variants", default=",".join(VARIANTS), help="some of " + ", ".join(VARIANTS)
     )
+    parser.add_argument(
+        "--cuda-graphs", choices=("on", "off"), default="on",
+        help="replay decode passes from captured CUDA graphs (TensorRT-LLM's default: on)",
+    )  # fmt: skip
     args = parser.parse_args()
     variants = tuple(v for v in VARIANTS if v in args.variants.split(","))
     if "none" not in variants:
@@ -166,8 +170,11 @@ def main() -> int:
         pipe.recv()
     llama = build_model(shape, "cuda", torch.bfloat16)
     blocks = 2 * pool_blocks({"prefix_tokens": PREFIX_TOKENS})
-    with_connector = executor_for(label, llama, connector=True, num_blocks=blocks)
-    without = executor_for(label, llama, connector=False, num_blocks=blocks)
+    graphs = args.cuda_graphs == "on"
+    with_connector = executor_for(
+        label, llama, connector=True, num_blocks=blocks, cuda_graphs=graphs
+    )
+    without = executor_for(label, llama, connector=False, num_blocks=blocks, cuda_graphs=graphs)
     drawn = prompts(shape["vocab"], PREFIX_TOKENS, args.trials * len(variants))
     warm_up(with_connector, *drawn["warmup"]["writer"])
     warm_up(without, *drawn["warmup"]["writer"])
@@ -193,7 +200,8 @@ def main() -> int:
             "shape": label, "trials": args.trials, "new_tokens": args.new_tokens,
             "codec_processes": args.codec_processes, "encoders": ENCODERS,
             "encoded_blocks": ENCODERS * args.blocks, "bursts": args.bursts,
-            "burst_ms": args.burst_ms, "device": torch.cuda.get_device_name(0),
+            "burst_ms": args.burst_ms, "cuda_graphs": graphs,
+            "device": torch.cuda.get_device_name(0),
         }  # fmt: skip
         print(json.dumps(row), flush=True)
     for pipe in pipes:

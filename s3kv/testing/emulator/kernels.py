@@ -31,6 +31,11 @@ class DeviceTokens(Sequence[int]):
         self._copy: torch.Tensor | None = None
         self._event: torch.cuda.Event | None = None
 
+    @property
+    def on_device(self) -> torch.Tensor:
+        """The tokens in device memory (a later pass may read them without a host sync)."""
+        return self._device
+
     def copy_to_host(self) -> None:
         """Queue the tokens' copy to pinned host memory (CUDA; a no-op elsewhere or twice)."""
         if self._device.is_cuda and self._copy is None:

@@ -45,6 +45,7 @@ from typing import Any, cast
 from s3kv.connector.device import DONE, StreamEvent
 from s3kv.testing.emulator.connector_manager import KvCacheConnectorManager
 from s3kv.testing.emulator.device import DeviceValue, LateDevice
+from s3kv.testing.emulator.graphs import DecodeGraphs, DecodeItem
 from s3kv.testing.emulator.kernels import DeviceTokens
 from s3kv.testing.emulator.kv_cache_manager import KVCacheManager
 from s3kv.testing.emulator.model import ForwardItem, PagedLlama
@@ -102,6 +103,13 @@ class ExecutorLoop:
     ) -> None:
         self.runtime = runtime  # "main" or "1.2": where handle_metadata is called
         self.graph_decode = graph_decode  # decode(-shaped) batches replay a CUDA graph
+        # NOTE: on a CUDA model of one rank the replay is a real captured graph; elsewhere
+        # (CPU, TP ranks) the pass runs eagerly, still without the layer hooks.
+        self.graphs = (
+            DecodeGraphs(model, pool)
+            if graph_decode and device is None and DecodeGraphs.supported(model)
+            else None
+        )
         self.canceled: set[int] = set()  # ids cancelled, not yet handled
         self.errors: dict[int, str] = {}  # request id -> error message (fail_all)
         self.model = model
@@ -222,7 +230,9 @@ class ExecutorLoop:
             }
         cuda = self.device is None and self.model.device.type == "cuda"
         sampled: DeviceValue[Sequence[int]]
-        if cuda:
+        if replayed and self.graphs is not None:
+            sampled = DeviceValue.of(self.graphs.launch(_decode_items(snapshot, ids)))
+        elif cuda:
             # NOTE: kernels queued, not waited for: the host syncs where the engine does.
             sampled = self.model.launch_forward(items(), self.pool, **hooks)
         elif self.device is None:
@@ -375,6 +385,23 @@ def _cuda_event() -> StreamEvent:
     event.record()
     result: StreamEvent = event
     return result
+
+
+def _decode_items(
+    snapshot: list[tuple[list[int], list[int], int, int, _BatchState | None]], ids: list[int]
+) -> list[DecodeItem]:
+    """A replayed pass's sequences; a token still on the device is read there, not waited for."""
+    items = []
+    for (tokens, blocks, start, _end, pending), rid in zip(snapshot, ids, strict=True):
+        if pending is None:
+            items.append(DecodeItem(blocks, start, token=tokens[start]))
+            continue
+        sampled = pending.tokens.get()
+        if isinstance(sampled, DeviceTokens):
+            items.append(DecodeItem(blocks, start, pending=(sampled, pending.index[rid])))
+        else:
+            items.append(DecodeItem(blocks, start, token=sampled[pending.index[rid]]))
+    return items
 
 
 __all__ = ["ExecutorLoop", "Tracked"]

@@ -88,6 +88,31 @@ class ForwardItem:
 
 
 @dataclasses.dataclass(frozen=True)
+class DecodeInputs:
+    """A decode-shaped pass as fixed-shape device tensors (what a captured graph reads).
+
+    One row per sequence, each computing one position. ``block_table`` rows are padded to a
+    common width with any valid block id; keys at or past ``lengths`` are masked out, so the
+    padding is never attended.
+
+    Attributes:
+        tokens: ``[B]`` the token at each sequence's position.
+        positions: ``[B]`` the position computed (``lengths - 1``).
+        write_blocks: ``[B]`` block id holding that position.
+        write_slots: ``[B]`` its slot in the block.
+        block_table: ``[B, N]`` block ids covering ``[0, N * tokens_per_block)``.
+        lengths: ``[B]`` keys each sequence attends to (``positions + 1``).
+    """
+
+    tokens: torch.Tensor
+    positions: torch.Tensor
+    write_blocks: torch.Tensor
+    write_slots: torch.Tensor
+    block_table: torch.Tensor
+    lengths: torch.Tensor
+
+
+@dataclasses.dataclass(frozen=True)
 class _LayerWeights:
     """One decoder layer's weights, already sliced for this rank's shard.
 
@@ -470,6 +495,48 @@ class PagedLlama:
         enqueue(sample)
         return result
 
+    @torch.no_grad()
+    def decode_logits(self, inputs: DecodeInputs, pool: torch.Tensor) -> torch.Tensor:
+        """One decode-shaped pass with fixed shapes: ``[B, vocab]`` logits, no host sync.
+
+        Computes the same function as :meth:`forward_logits` for items with
+        ``end == start + 1`` (a decode step, or a final one-token context chunk), but every
+        shape depends only on ``B`` and the table's width and nothing is read back to the
+        host, so a CUDA graph can capture it (:class:`~s3kv.testing.emulator.graphs.DecodeGraphs`).
+        Attention reads every key of the padded table and masks those at or past
+        ``lengths``, as a graph replayed for many lengths must. No layer hooks run: a
+        replayed graph runs no Python.
+        """
+        kv = self._check_pool(pool)
+        tpb = self._geometry.tokens_per_block
+        width = inputs.block_table.shape[1] * tpb
+        keys = torch.arange(width, device=self.device)
+        mask = (keys[None, :] < inputs.lengths[:, None])[:, None, None, :]  # [B, 1, 1, L]
+        cos, sin = self._rope(inputs.positions)
+        hidden = F.embedding(inputs.tokens, self._w.embed)
+        for index, w in enumerate(self._w.layers):
+            layer_kv = kv[:, index]
+            head_dim = self._geometry.head_dim
+            h = self._rms(hidden, w.input_norm)
+            qkv = F.linear(h, w.qkv_w, w.qkv_b).view(h.shape[0], -1, head_dim)
+            qk = rotate(qkv[:, : w.q_heads + w.kv_heads], cos, sin)
+            fresh = torch.stack((qk[:, w.q_heads :], qkv[:, w.q_heads + w.kv_heads :]), dim=1)
+            layer_kv[inputs.write_blocks, :, :, inputs.write_slots] = fresh.to(layer_kv.dtype)
+            chunk = layer_kv[inputs.block_table]  # [B, N, 2, Hkv, tpb, D]
+            both = chunk.permute(2, 0, 3, 1, 4, 5).reshape(2, h.shape[0], w.kv_heads, width, -1)
+            both = both.to(qk.dtype)
+            attn = F.scaled_dot_product_attention(
+                qk[:, : w.q_heads, None, :], both[0], both[1], attn_mask=mask, enable_gqa=True
+            )[:, :, 0]  # [B, Hq, D]
+            out = self._all_reduce(F.linear(attn.flatten(1), w.o_w))
+            hidden = hidden + (out if w.o_b is None else out + w.o_b)
+            h = self._rms(hidden, w.post_norm)
+            gate_up = F.linear(h, w.gate_up_w, w.gate_up_b)
+            ff = self._w.act(gate_up[:, : w.ff]) * gate_up[:, w.ff :]
+            out = self._all_reduce(F.linear(ff, w.down_w))
+            hidden = hidden + (out if w.down_b is None else out + w.down_b)
+        return F.linear(self._rms(hidden, self._w.final_norm), self._w.lm_head)
+
     def _check_pool(self, pool: torch.Tensor) -> torch.Tensor:
         if pool.dtype != self._geometry.dtype or pool.device != self.device:
             raise ValueError(
@@ -645,6 +712,7 @@ def smollm2_config(**overrides: Any) -> Any:
 
 
 __all__ = [
+    "DecodeInputs",
     "ForwardItem",
     "KvGeometry",
     "LayerHook",
