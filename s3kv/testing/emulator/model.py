@@ -524,10 +524,7 @@ class PagedLlama:
             layer_kv[inputs.write_blocks, :, :, inputs.write_slots] = fresh.to(layer_kv.dtype)
             chunk = layer_kv[inputs.block_table]  # [B, N, 2, Hkv, tpb, D]
             both = chunk.permute(2, 0, 3, 1, 4, 5).reshape(2, h.shape[0], w.kv_heads, width, -1)
-            both = both.to(qk.dtype)
-            attn = F.scaled_dot_product_attention(
-                qk[:, : w.q_heads, None, :], both[0], both[1], attn_mask=mask, enable_gqa=True
-            )[:, :, 0]  # [B, Hq, D]
+            attn = _decode_attention(qk[:, : w.q_heads], both.to(qk.dtype), mask)
             out = self._all_reduce(F.linear(attn.flatten(1), w.o_w))
             hidden = hidden + (out if w.o_b is None else out + w.o_b)
             h = self._rms(hidden, w.post_norm)
@@ -675,6 +672,25 @@ class PagedLlama:
                 q.transpose(0, 1), both[0], both[1], attn_mask=plan.mask, enable_gqa=True
             )
         return out.transpose(0, 1)
+
+
+def _decode_attention(q: torch.Tensor, both: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """One query row per sequence: ``q [B, Hq, D]``, ``both [2, B, Hkv, L, D]`` -> ``[B, Hq, D]``.
+
+    Written out (scores, a softmax in at least float32 over the unmasked keys, weighted values) rather
+    than through ``scaled_dot_product_attention``: that picks a fused backend by shape and
+    device, and a fused kernel that splits the keys across blocks may sum them in an order
+    that varies from one capture to the next, so two engines replaying the same pass could
+    disagree. Query head ``h`` reads KV head ``h // (Hq // Hkv)``, as ``enable_gqa`` does.
+    """
+    batch, q_heads, head_dim = q.shape
+    kv_heads = both.shape[2]
+    grouped = q.view(batch, kv_heads, q_heads // kv_heads, head_dim)  # [B, Hkv, G, D]
+    scores = torch.matmul(grouped, both[0].transpose(-1, -2)) / math.sqrt(head_dim)
+    scores = scores.to(torch.promote_types(scores.dtype, torch.float32))
+    scores = scores.masked_fill(~mask, float("-inf"))  # [B, Hkv, G, L]
+    weights = torch.softmax(scores, dim=-1).to(q.dtype)
+    return torch.matmul(weights, both[1]).view(batch, q_heads, head_dim)
 
 
 def _run_now(work: Work) -> None:
