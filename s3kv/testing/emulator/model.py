@@ -675,7 +675,9 @@ class PagedLlama:
 
 
 def _decode_attention(q: torch.Tensor, both: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """One query row per sequence: ``q [B, Hq, D]``, ``both [2, B, Hkv, L, D]`` -> ``[B, Hq, D]``.
+    """Attention of one query row per sequence: ``q [B, Hq, D]``, K/V ``[2, B, Hkv, L, D]``.
+
+    Returns ``[B, Hq, D]``.
 
     Written out (scores, a softmax in at least float32 over the unmasked keys, weighted values) rather
     than through ``scaled_dot_product_attention``: that picks a fused backend by shape and
