@@ -679,11 +679,11 @@ def _decode_attention(q: torch.Tensor, both: torch.Tensor, mask: torch.Tensor) -
 
     Returns ``[B, Hq, D]``.
 
-    Written out (scores, a softmax in at least float32 over the unmasked keys, weighted values) rather
-    than through ``scaled_dot_product_attention``: that picks a fused backend by shape and
-    device, and a fused kernel that splits the keys across blocks may sum them in an order
-    that varies from one capture to the next, so two engines replaying the same pass could
-    disagree. Query head ``h`` reads KV head ``h // (Hq // Hkv)``, as ``enable_gqa`` does.
+    Written out (scores, a softmax in at least float32 over the unmasked keys, weighted
+    values) rather than through ``scaled_dot_product_attention``: that picks a fused backend
+    by shape and device, and under capture its result varied from one engine to the next on
+    an H200 (two executors of one process replaying the same pass disagreed in the tokens);
+    written out, they agree bit for bit. Query head ``h`` reads KV head ``h // (Hq // Hkv)``, as ``enable_gqa`` does.
     """
     batch, q_heads, head_dim = q.shape
     kv_heads = both.shape[2]
