@@ -683,7 +683,8 @@ def _decode_attention(q: torch.Tensor, both: torch.Tensor, mask: torch.Tensor) -
     values) rather than through ``scaled_dot_product_attention``: that picks a fused backend
     by shape and device, and under capture its result varied from one engine to the next on
     an H200 (two executors of one process replaying the same pass disagreed in the tokens);
-    written out, they agree bit for bit. Query head ``h`` reads KV head ``h // (Hq // Hkv)``, as ``enable_gqa`` does.
+    written out, they agree bit for bit. Query head ``h`` reads KV head ``h // (Hq // Hkv)``,
+    as ``enable_gqa`` does.
     """
     batch, q_heads, head_dim = q.shape
     kv_heads = both.shape[2]
