@@ -61,15 +61,6 @@ logger = logging.getLogger(__name__)
 #: one group; a whole Llama-3-8B block (4 MiB) as 4 groups of 8 layers.
 LOAD_GROUP_MIN_BYTES = 1 << 20
 
-#: Completed save copies handed to the store per drain: at least this many blocks, or the
-#: backlog over :data:`HAND_OFF_SPREAD` drains if that is more (so the backlog stays within
-#: a few times what one iteration copies, whatever the load). NOTE: handing a prompt's 254
-#: blocks over in one ``get_finished`` took the engine's thread 2-4 ms on an H200 host and
-#: delayed the decode step it ran in by as much, where 64 blocks (0.5-1 ms) fit in the time
-#: a step's host waits for the device when decode replays CUDA graphs (``gpu_ab.py``).
-HAND_OFF_BLOCKS = 64
-HAND_OFF_SPREAD = 4
-
 
 def layer_groups(num_layers: int, layer_nbytes: int, min_bytes: int) -> list[int]:
     """Layer boundaries ``[0, ..., num_layers]`` of groups of at least ``min_bytes`` per block.
@@ -239,9 +230,6 @@ class WorkerCore:
         )
         self._arenas: dict[str, SlabArena] = {}
         self._pending: deque[_PendingCopy] = deque()
-        # NOTE: copies done, blocks not yet handed to the store (oldest first); their
-        # requests count as saving until they are.
-        self._copied: deque[tuple[SaveOps, Sequence[Any]]] = deque()
         self._unissued: list[_Unissued] = []  # NOTE: queued at the next get_finished
         # NOTE: whether get_finished ran since the last wait_for_save: it hands completed
         # copies to the store; an engine that never calls it gets that in wait_for_save.
@@ -475,10 +463,10 @@ class WorkerCore:
         if not metadata.saves:
             return
         buffers = self._buffers.acquire_many(len(metadata.saves))
-        if len(buffers) < len(metadata.saves) and (self._pending or self._copied):
+        if len(buffers) < len(metadata.saves) and self._pending:
             # NOTE: short of buffers: completed copies go to the store now, so that theirs
             # come back as soon as they are encoded (those of this pass are dropped).
-            self._drain(block=False, everything=True)
+            self._drain(block=False)
         ops = metadata.saves[: len(buffers)]
         if len(ops) < len(metadata.saves):
             self.store.metrics.inc("connector_save_buffers_full", len(metadata.saves) - len(ops))
@@ -547,14 +535,9 @@ class WorkerCore:
             start = end
         return pairs
 
-    def _drain(self, *, block: bool, everything: bool = False) -> None:
+    def _drain(self, *, block: bool) -> None:
         """Hand completed copies to the store (oldest first); a failed save is only counted,
-        and a copy whose event cannot be asked is abandoned (:meth:`_abandon`).
-
-        ``block`` waits for every queued copy. Unless ``block`` or ``everything``, at most
-        :data:`HAND_OFF_BLOCKS` blocks (or a :data:`HAND_OFF_SPREAD` share of the backlog)
-        go over in this call; the rest wait for the next drain, their requests still saving.
-        """
+        and a copy whose event cannot be asked is abandoned (:meth:`_abandon`)."""
         while self._pending:
             pending = self._pending[0]
             try:
@@ -567,21 +550,10 @@ class WorkerCore:
                 self._abandon(self._pending.popleft())
                 continue
             if not done:
-                break
+                return
             self._pending.popleft()
-            self._copied.append((pending.ops, pending.buffers))
-        backlog = sum(len(ops) for ops, _ in self._copied)
-        budget = backlog
-        if not (block or everything):
-            budget = min(backlog, max(HAND_OFF_BLOCKS, -(-backlog // HAND_OFF_SPREAD)))
-        while budget > 0:
-            ops, buffers = self._copied.popleft()
-            if len(ops) > budget:
-                self._copied.appendleft((ops[budget:], buffers[budget:]))
-                ops, buffers = ops[:budget], buffers[:budget]
-            budget -= len(ops)
-            self._settle(ops)
-            self._hand_to_store(ops, buffers)
+            self._settle(pending.ops)
+            self._hand_to_store(pending.ops, pending.buffers)
 
     def _abandon(self, pending: _PendingCopy, *, done: bool = False) -> None:
         """Give up a queued copy's saves (counted): its requests may finish.
@@ -648,8 +620,7 @@ class WorkerCore:
         return done
 
     def _abandon_all(self) -> None:
-        """:meth:`_abandon` every queued copy, its buffers back where its event says done,
-        and give up the completed copies not yet handed over (their buffers back)."""
+        """:meth:`_abandon` every queued copy, its buffers back where its event says done."""
         while self._pending:
             pending = self._pending.popleft()
             try:
@@ -657,12 +628,6 @@ class WorkerCore:
             except Exception:
                 done = False
             self._abandon(pending, done=done)
-        while self._copied:
-            ops, buffers = self._copied.popleft()
-            self.store.metrics.inc("connector_save_errors", len(ops))
-            self._settle(ops)
-            for buffer in buffers:
-                self._buffers.release(buffer)
 
     def flush(self) -> None:
         """Wait for every pending copy and hand it to the store (shutdown)."""
