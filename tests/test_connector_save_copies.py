@@ -20,6 +20,7 @@ import torch
 from s3kv.connector.completion import CompletionBoard
 from s3kv.connector.device import SavePair
 from s3kv.connector.metadata import ConnectorMetadata, SaveOp, SaveOps
+from s3kv.connector import worker as worker_module
 from s3kv.connector.worker import WorkerCore
 from s3kv.metrics import Metrics
 from tests.test_connector_layer_load import FakeEvent
@@ -65,9 +66,9 @@ class Store:
             consumed()
 
 
-def worker() -> tuple[WorkerCore, DeferringEngine, Store, torch.Tensor]:
-    pool = torch.arange(8 * LAYERS * 2 * ELEMS, dtype=torch.float32).to(torch.bfloat16)
-    pool = pool.view(8, LAYERS, 2, ELEMS)
+def worker(num_blocks: int = 8) -> tuple[WorkerCore, DeferringEngine, Store, torch.Tensor]:
+    pool = torch.arange(num_blocks * LAYERS * 2 * ELEMS, dtype=torch.float32).to(torch.bfloat16)
+    pool = pool.view(num_blocks, LAYERS, 2, ELEMS)
     store = Store()
     core = WorkerCore(0, store, pool, 1 << 20, board=CompletionBoard.private())  # type: ignore[arg-type]
     engine = DeferringEngine()
@@ -188,3 +189,52 @@ def test_an_engine_that_never_calls_get_finished_gets_completed_copies_saved_at_
     engine.events[0].done = True
     core.save_after_forward(saves(3, [3]), stream=None)
     assert sorted(store.saved) == [bytes([1, 0]) * 8, bytes([1, 1]) * 8]
+
+
+def test_a_prompts_copies_are_queued_a_share_per_get_finished_and_hold_it_till_the_last(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """256 planned copies, 64 blocks' worth of bytes per get_finished: a copy engine serves
+    device-to-host copies in order, so the next iteration's tokens wait only behind a share.
+    The request is reported once its last block's copy is done; every block is saved whole."""
+    core, engine, store, pool = worker(num_blocks=300)
+    monkeypatch.setattr(worker_module, "SAVE_COPY_BYTES", 64 * core.block_nbytes)
+    core.save_after_forward(saves(1, list(range(256))), stream=None)
+    reported = []
+    for _ in range(5):
+        reported.append(core.finished([1] if not reported else []))
+        for event in engine.events:
+            event.done = True
+    assert engine.queued == [64, 64, 64, 64]  # NOTE: 4 calls of 64 copies
+    assert reported == [[], [], [], [], [1]]
+    core.save_after_forward(ConnectorMetadata(), stream=None)  # NOTE: no copies left to queue
+    assert engine.queued == [64, 64, 64, 64]
+    assert len(store.saved) == 256
+    assert store.saved[bytes([1, 255]) * 8] == pool[255].view(torch.uint8).numpy().tobytes()
+
+
+def test_what_waits_stays_within_four_iterations_copies_however_long_the_load(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Guard on the bound: 256 blocks planned every iteration for 30 iterations, 64 blocks'
+    worth per call. A quarter of what waits goes when that is more, so the backlog settles
+    at a few iterations' copies instead of growing without end; flush queues the rest."""
+    core, engine, store, _ = worker(num_blocks=300)
+    monkeypatch.setattr(worker_module, "SAVE_COPY_BYTES", 64 * core.block_nbytes)
+    waiting = []
+    for step in range(30):
+        ops = SaveOps.of(
+            SaveOp(
+                step, b, key=bytes([step]) + b.to_bytes(2, "big") * 7 + bytes(1), parent=bytes(16)
+            )
+            for b in range(256)
+        )
+        core.save_after_forward(ConnectorMetadata(saves=ops), stream=None)
+        core.finished([step])
+        for event in engine.events:
+            event.done = True
+        waiting.append(sum(len(batch.ops) for batch in core._unissued))
+    assert max(waiting) <= 4 * 256
+    assert waiting[-1] == waiting[-2]  # NOTE: settled
+    core.flush()
+    assert len(store.saved) == 30 * 256

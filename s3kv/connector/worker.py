@@ -61,6 +61,16 @@ logger = logging.getLogger(__name__)
 #: one group; a whole Llama-3-8B block (4 MiB) as 4 groups of 8 layers.
 LOAD_GROUP_MIN_BYTES = 1 << 20
 
+#: Bytes of planned device→host save copies queued per ``get_finished``: this much (a block
+#: at least), or a :data:`SAVE_COPY_SPREAD` share of what waits if that is more, so what
+#: waits stays within a few iterations' copies whatever the load. NOTE: a copy engine serves
+#: device-to-host copies in the order queued, so the next iteration's sampled tokens wait
+#: behind every block queued before them: a cold 8K prompt's 254 MiB at once delayed the
+#: next decode step by 3-4 ms on an H200 (8-layer Llama-3-8B slice, CUDA-graph decode steps
+#: of 2.5 ms; ``gpu_ab.py``), where 64 MiB (about 1.3 ms of copying) runs beside a step.
+SAVE_COPY_BYTES = 64 << 20
+SAVE_COPY_SPREAD = 4
+
 
 def layer_groups(num_layers: int, layer_nbytes: int, min_bytes: int) -> list[int]:
     """Layer boundaries ``[0, ..., num_layers]`` of groups of at least ``min_bytes`` per block.
@@ -455,7 +465,8 @@ class WorkerCore:
             self.relay.attach(metadata.relay)  # idempotent; before any save reaches the store
         if self._unawaited:  # NOTE: no forward-pass callable ran: never leave a load unawaited
             self._await_all(stream)
-        self._issue()  # NOTE: an engine that skipped get_finished: queue them now, in order
+        if not self._finished_called:
+            self._issue()  # NOTE: an engine that skipped get_finished: queue them now, in order
         self.poll_loads()
         if not self._finished_called:
             self._drain(block=False)
@@ -482,14 +493,26 @@ class WorkerCore:
             self._inflight[request_id] += count
         self._unissued.append(_Unissued(ops, buffers, pairs, stream))
         if not self._engine_for(stream).defers_saves:
-            self._issue()  # NOTE: copies that run now (no device): nothing to get ahead of
+            self._issue(everything=True)  # NOTE: copies that run now: nothing to get ahead of
             self._drain(block=False)
 
-    def _issue(self) -> None:
+    def _issue(self, *, everything: bool = False) -> None:
         """Queue the planned copies, oldest first. A copy that cannot be queued loses its
-        blocks' saves (counted, logged) and never holds its requests back."""
-        while self._unissued:
+        blocks' saves (counted, logged) and never holds its requests back.
+
+        Unless ``everything``, at most :data:`SAVE_COPY_BYTES` (or a :data:`SAVE_COPY_SPREAD`
+        share of the planned blocks) are queued; the rest wait for the next call, their
+        requests still saving.
+        """
+        budget = sum(len(batch.ops) for batch in self._unissued)
+        if not everything:
+            share = max(1, SAVE_COPY_BYTES // self.block_nbytes, -(-budget // SAVE_COPY_SPREAD))
+            budget = min(budget, share)
+        while self._unissued and budget > 0:
             batch = self._unissued.pop(0)
+            if len(batch.ops) > budget:
+                batch = self._split(batch, budget)
+            budget -= len(batch.ops)
             try:
                 event = self._engine_for(batch.stream).save(batch.pairs, batch.stream)
             except Exception:
@@ -499,6 +522,24 @@ class WorkerCore:
                 self._settle(batch.ops)
                 continue
             self._pending.append(_PendingCopy(event, batch.ops, batch.buffers))
+
+    def _split(self, batch: _Unissued, count: int) -> _Unissued:
+        """The first ``count`` blocks of ``batch``; the rest goes back to the head of the
+        queue. If the copies cannot be re-planned, the whole batch (nothing is lost)."""
+        try:
+            head = _Unissued(
+                batch.ops[:count],
+                batch.buffers[:count],
+                self._copy_pairs(batch.ops[:count], batch.buffers[:count]),
+                batch.stream,
+            )
+            rest_ops, rest_buffers = batch.ops[count:], batch.buffers[count:]
+            rest_pairs = self._copy_pairs(rest_ops, rest_buffers)
+        except Exception:
+            logger.exception("s3kv: could not split a forward pass's save copies")
+            return batch
+        self._unissued.insert(0, _Unissued(rest_ops, rest_buffers, rest_pairs, batch.stream))
+        return head
 
     def _settle(self, ops: SaveOps) -> None:
         """These blocks' copies are over (done or lost): their requests may finish."""
@@ -631,7 +672,7 @@ class WorkerCore:
 
     def flush(self) -> None:
         """Wait for every pending copy and hand it to the store (shutdown)."""
-        self._issue()
+        self._issue(everything=True)
         for _, event in list(self._loads):
             event.synchronize()
         self.poll_loads()
