@@ -17,10 +17,10 @@ import numpy as np
 import pytest
 import torch
 
+from s3kv.connector import worker as worker_module
 from s3kv.connector.completion import CompletionBoard
 from s3kv.connector.device import SavePair
 from s3kv.connector.metadata import ConnectorMetadata, SaveOp, SaveOps
-from s3kv.connector import worker as worker_module
 from s3kv.connector.worker import WorkerCore
 from s3kv.metrics import Metrics
 from tests.test_connector_layer_load import FakeEvent
