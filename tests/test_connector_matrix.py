@@ -146,6 +146,49 @@ def test_a_hit_left_one_token_under_cuda_graphs_is_loaded_before_the_replayed_pa
 
 
 @pytest.mark.parametrize("overlap", [False, True], ids=["plain", "overlap"])
+def test_a_hit_batched_with_decode_steps_under_cuda_graphs_runs_eagerly_with_per_layer_waits(
+    file_bucket: Path, caplog: pytest.LogCaptureFixture, overlap: bool
+) -> None:
+    # A hit arriving while another request decodes: its context and the decode step share a
+    # batch, which TensorRT-LLM runs eagerly (only decode-only batches, or final one-token
+    # contexts, replay a graph). The hooks run, so the hit's loads are awaited layer group
+    # by layer group, its tokens are those of a run without the connector, and the decode
+    # replays before and after leave the per-layer waits on.
+    ask = SYSTEMS[0] + prompt(5, seed=84)
+    busy = prompt(20, seed=85)
+    kw = {"runtime": "main", "overlap": overlap, "v2": False, "graphs": True, "chunked": False}
+    expected, _ = serve(engine(connector=False, **kw), [ask])
+    serve(engine(**kw), [SYSTEMS[0] + prompt(3, seed=86)])
+    process_state().close_all()
+    reader = engine(**kw)
+    shapes: list[tuple[int, int]] = []
+    forward = reader._loop._forward
+
+    def recorded(batch: Any) -> Any:
+        shapes.append((len(batch.context_requests), len(batch.generation_requests)))
+        return forward(batch)
+
+    reader._loop._forward = recorded  # type: ignore[method-assign]
+    decoding = reader.submit(busy, 12)
+    for _ in range(4):
+        reader.step()
+    caplog.clear()
+    hit = reader.submit(ask, 4)
+    reader.run_until_complete([decoding, hit])
+    reader.drain()
+    assert (1, 1) in shapes, shapes  # NOTE: the hit's context beside a decode step
+    assert list(reader.result(hit).output_tokens) == list(expected[0])
+    assert reader.result(hit).connector_tokens == len(SYSTEMS[0])
+    assert "did not run for every layer" not in caplog.text
+    manager = reader.connector_manager
+    assert manager is not None
+    worker = manager.worker
+    assert isinstance(worker, S3KVConnectorWorker)
+    assert worker.core is not None
+    assert worker.core.layer_waits
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["plain", "overlap"])
 def test_v2_honouring_less_than_offered_loads_exactly_the_honoured_blocks(
     file_bucket: Path, monkeypatch: pytest.MonkeyPatch, overlap: bool
 ) -> None:

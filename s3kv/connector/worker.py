@@ -304,7 +304,7 @@ class WorkerCore:
         if self._unawaited:
             logger.warning(
                 "s3kv: wait_for_layer_load did not run for every layer; loads are awaited "
-                "before the forward pass from now on"
+                "before the forward pass until a pass runs it for every layer again"
             )
             self._await_all(self._stream)
             self.layer_waits = False
