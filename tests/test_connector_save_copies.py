@@ -238,3 +238,37 @@ def test_what_waits_stays_within_four_iterations_copies_however_long_the_load(
     assert waiting[-1] == waiting[-2]  # NOTE: settled
     core.flush()
     assert len(store.saved) == 30 * 256
+
+
+def test_a_share_that_cannot_be_cut_queues_the_whole_pass_and_loses_nothing(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    core, engine, store, _ = worker(num_blocks=300)
+    monkeypatch.setattr(worker_module, "SAVE_COPY_BYTES", 64 * core.block_nbytes)
+    core.save_after_forward(saves(1, list(range(256))), stream=None)
+
+    def broken(*_: Any) -> list[SavePair]:
+        raise RuntimeError("cannot re-plan")
+
+    monkeypatch.setattr(core, "_copy_pairs", broken)
+    assert core.finished([1]) == []
+    assert engine.queued == [256]
+    engine.events[0].done = True
+    assert core.finished([]) == [1]
+    assert len(store.saved) == 256
+    assert "could not split" in caplog.text
+
+
+def test_short_of_buffers_the_waiting_copies_are_queued_at_once(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Copies waiting for their share hold their buffers; when a pass finds too few, every
+    waiting copy is queued so that its buffers come back as soon as possible."""
+    core, engine, _, _ = worker(num_blocks=300)
+    monkeypatch.setattr(worker_module, "SAVE_COPY_BYTES", 64 * core.block_nbytes)
+    core.save_after_forward(saves(1, list(range(256))), stream=None)
+    core.finished([1])
+    assert engine.queued == [64]
+    monkeypatch.setattr(core._buffers, "acquire_many", lambda n: [])
+    core.save_after_forward(saves(2, [250, 251]), stream=None)
+    assert engine.queued == [64, 192]

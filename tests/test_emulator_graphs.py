@@ -8,12 +8,18 @@ replay need CUDA: those tests skip here and run on the device machine.
 from __future__ import annotations
 
 from collections.abc import Iterator
+from types import SimpleNamespace
+from typing import Any
 
 import pytest
 import torch
 
+from s3kv.testing.emulator.device import DeviceValue
 from s3kv.testing.emulator.executor import PyExecutorEmulator
+from s3kv.testing.emulator.graphs import BLOCK_BUCKET, DecodeItem, pack_inputs, unpack_inputs
+from s3kv.testing.emulator.kernels import DeviceTokens
 from s3kv.testing.emulator.llm_args import KvCacheConfig, TorchLlmArgs
+from s3kv.testing.emulator.loop import _decode_items
 from s3kv.testing.emulator.model import DecodeInputs, ForwardItem, PagedLlama, smollm2_config
 
 pytestmark = pytest.mark.model
@@ -100,9 +106,61 @@ def test_decode_step_padding_changes_nothing_when_junk_is_unmasked_it_would() ->
     assert not torch.allclose(model.decode_logits(unmasked, pool.clone()), exact, atol=1e-6)
 
 
+def test_the_packed_inputs_of_a_replayed_pass_compute_the_eager_pass() -> None:
+    """What a replay is fed, built on the CPU: two sequences, one whose token is known on
+    the host and one whose token the previous pass left on the device (packed as 0, then
+    copied in), tables padded to a 64-block width. Decoded from the packed tensor, the pass
+    gives the eager logits."""
+    model = small_model()
+    first, second = tokens(2 * TPB + 5, 3), tokens(TPB + 9, 11)
+    blocks = {"first": [4, 1, 6], "second": [2, 7]}
+    pool = model.new_pool(10)
+    model.forward_logits([ForwardItem(first, blocks["first"], 0, len(first) - 1)], pool)
+    model.forward_logits([ForwardItem(second, blocks["second"], 0, len(second) - 1)], pool)
+    pools = [pool, pool.clone()]
+    steps = [
+        ForwardItem(first, blocks["first"], len(first) - 1, len(first)),
+        ForwardItem(second, blocks["second"], len(second) - 1, len(second)),
+    ]
+    eager = model.forward_logits(steps, pools[0])
+    sampled = DeviceTokens(torch.nn.functional.one_hot(torch.tensor([5, second[-1]]), 1024))
+    items = [
+        DecodeItem(blocks["first"], len(first) - 1, token=first[-1]),
+        DecodeItem(blocks["second"], len(second) - 1, pending=(sampled, 1)),
+    ]
+    width = BLOCK_BUCKET
+    packed = torch.tensor(pack_inputs(items, width, TPB), dtype=torch.long)
+    inputs = unpack_inputs(packed, len(items), width)
+    assert inputs.tokens.tolist() == [first[-1], 0]
+    inputs.tokens[1:2].copy_(sampled.on_device[1:2])  # NOTE: what DecodeGraphs._fill does
+    assert inputs.block_table[1].tolist() == [2, 7] + [7] * (width - 2)
+    fixed = model.decode_logits(inputs, pools[1])
+    for row, reference in zip(fixed, eager, strict=True):
+        torch.testing.assert_close(row, reference, atol=1e-10, rtol=0.0)
+    torch.testing.assert_close(pools[1], pools[0], atol=0.0, rtol=0.0)
+
+
+def test_a_replayed_pass_reads_each_token_where_it_is() -> None:
+    """The loop's items for a replayed pass: a final one-token context reads its prompt's
+    last token, a decode step without a token in flight its last token, and one whose token
+    is still on the device (overlap) reads it there, at its index in that pass."""
+    sampled = DeviceTokens(torch.nn.functional.one_hot(torch.tensor([9, 4]), 16).float())
+    previous = SimpleNamespace(tokens=DeviceValue.of(sampled), index={7: 0, 8: 1})
+    snapshot: list[Any] = [
+        ([1, 2, 3], [0], 2, 3, None),  # one-token context: prompt[2]
+        ([5, 6], [1], 1, 2, None),  # decode, nothing in flight: tokens[-1]
+        ([7, 8, 9], [2], 3, 4, previous),  # decode, its token on the device
+    ]
+    items = _decode_items(snapshot, [5, 6, 8])
+    assert [(i.position, i.token) for i in items] == [(2, 3), (1, 6), (3, None)]
+    assert items[2].pending is not None
+    assert items[2].pending[0] is sampled
+    assert items[2].pending[1] == 1
+
+
 @cuda
 def test_a_replayed_graph_gives_the_eager_decode_logits_and_pool_writes() -> None:
-    from s3kv.testing.emulator.graphs import DecodeGraphs, DecodeItem
+    from s3kv.testing.emulator.graphs import DecodeGraphs
 
     model = small_model("cuda", torch.float32)
     seq = tokens(3 * TPB + 4, 9)

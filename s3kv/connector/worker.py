@@ -68,6 +68,9 @@ LOAD_GROUP_MIN_BYTES = 1 << 20
 #: behind every block queued before them: a cold 8K prompt's 254 MiB at once delayed the
 #: next decode step by 3-4 ms on an H200 (8-layer Llama-3-8B slice, CUDA-graph decode steps
 #: of 2.5 ms; ``gpu_ab.py``), where 64 MiB (about 1.3 ms of copying) runs beside a step.
+#: The quarter share can be more than 64 MiB (a 4 MiB-block model's 8K prompt: 256 MiB),
+#: but such a model's step is longer too: the full 32-layer geometry's 9 ms steps showed no
+#: delay with all of a prompt's 1 GiB at once (decode overhead 0.5-0.9%).
 SAVE_COPY_BYTES = 64 << 20
 SAVE_COPY_SPREAD = 4
 
@@ -474,9 +477,11 @@ class WorkerCore:
         if not metadata.saves:
             return
         buffers = self._buffers.acquire_many(len(metadata.saves))
-        if len(buffers) < len(metadata.saves) and self._pending:
-            # NOTE: short of buffers: completed copies go to the store now, so that theirs
-            # come back as soon as they are encoded (those of this pass are dropped).
+        if len(buffers) < len(metadata.saves) and (self._pending or self._unissued):
+            # NOTE: short of buffers: copies waiting for their share are queued now and
+            # completed ones go to the store, so that their buffers come back as soon as
+            # they are encoded (the saves of this pass that found none are dropped).
+            self._issue(everything=True)
             self._drain(block=False)
         ops = metadata.saves[: len(buffers)]
         if len(ops) < len(metadata.saves):

@@ -62,6 +62,44 @@ class DecodeItem:
             raise ValueError("token/pending: give exactly one")
 
 
+def pack_inputs(items: Sequence[DecodeItem], width: int, tokens_per_block: int) -> list[int]:
+    """The values of a captured pass's packed input tensor, in its layout.
+
+    Five rows of ``len(items)`` values (token, position, write block, write slot, length;
+    a token still on the device is 0 here and copied in afterwards), then each item's
+    block table padded to ``width`` by repeating its last block (the mask hides padding).
+    """
+    columns: list[list[int]] = [[] for _ in range(_COLUMNS)]
+    table: list[int] = []
+    for item in items:
+        blocks = list(item.block_ids[: item.position // tokens_per_block + 1])
+        row = (
+            item.token if item.token is not None else 0,
+            item.position,
+            blocks[-1],
+            item.position % tokens_per_block,
+            item.position + 1,
+        )
+        for column, value in zip(columns, row, strict=True):
+            column.append(value)
+        table += blocks
+        table += [blocks[-1]] * (width - len(blocks))
+    return [value for column in columns for value in column] + table
+
+
+def unpack_inputs(packed: torch.Tensor, batch: int, width: int) -> DecodeInputs:
+    """Views of a packed input tensor (:func:`pack_inputs`' layout) as a pass's inputs."""
+    columns = packed[: batch * _COLUMNS].view(_COLUMNS, batch)
+    return DecodeInputs(
+        tokens=columns[0],
+        positions=columns[1],
+        write_blocks=columns[2],
+        write_slots=columns[3],
+        block_table=packed[batch * _COLUMNS :].view(batch, width),
+        lengths=columns[4],
+    )
+
+
 @dataclasses.dataclass(frozen=True)
 class _Captured:
     graph: torch.cuda.CUDAGraph
@@ -89,8 +127,11 @@ class DecodeGraphs:
 
     @staticmethod
     def supported(model: PagedLlama) -> bool:
-        """Whether ``model`` can replay captured decode passes (CUDA, one rank)."""
-        return model.device.type == "cuda" and model.tp_size == 1
+        """Whether ``model`` can replay captured decode passes: CUDA, one rank, on the
+        current device (the streams and events here are the current device's)."""
+        if model.device.type != "cuda" or model.tp_size != 1:
+            return False
+        return model.device.index in (None, torch.cuda.current_device())
 
     def launch(self, items: Sequence[DecodeItem]) -> DeviceTokens:
         """Replay the pass for ``items`` on the current stream; the greedy tokens stay queued.
@@ -121,27 +162,9 @@ class DecodeGraphs:
         return DeviceTokens(captured.logits)
 
     def _fill(self, captured: _Captured, items: Sequence[DecodeItem], width: int) -> None:
-        tpb = self._model.geometry.tokens_per_block
-        columns: list[list[int]] = [[] for _ in range(_COLUMNS)]
-        table: list[int] = []
-        for item in items:
-            blocks = list(item.block_ids[: item.position // tpb + 1])
-            for column, value in zip(
-                columns,
-                (
-                    item.token if item.token is not None else 0,
-                    item.position,
-                    blocks[-1],
-                    item.position % tpb,
-                    item.position + 1,
-                ),
-                strict=True,
-            ):
-                column.append(value)
-            # NOTE: padding repeats a block the sequence owns; the mask hides it.
-            table += blocks
-            table += [blocks[-1]] * (width - len(blocks))
-        host = torch.tensor([v for column in columns for v in column] + table, dtype=torch.long)
+        host = torch.tensor(
+            pack_inputs(items, width, self._model.geometry.tokens_per_block), dtype=torch.long
+        )
         # NOTE: page-locked, so the copy is queued like a kernel; the caching host allocator
         # keeps this buffer until the copy has run.
         captured.packed.copy_(host.pin_memory(), non_blocking=True)
@@ -153,15 +176,7 @@ class DecodeGraphs:
     def _capture(self, batch: int, width: int) -> _Captured:
         device = self._model.device
         packed = torch.zeros(batch * (_COLUMNS + width), dtype=torch.long, device=device)
-        columns = packed[: batch * _COLUMNS].view(_COLUMNS, batch)
-        inputs = DecodeInputs(
-            tokens=columns[0],
-            positions=columns[1],
-            write_blocks=columns[2],
-            write_slots=columns[3],
-            block_table=packed[batch * _COLUMNS :].view(batch, width),
-            lengths=columns[4],
-        )
+        inputs = unpack_inputs(packed, batch, width)
         # NOTE: warm-up runs (lazy library state, allocator growth) write K/V at block 0 of
         # a one-block scratch pool, never into the engine's pool; the capture then records
         # the same kernels over the engine's pool without running them.
@@ -172,10 +187,15 @@ class DecodeGraphs:
                 self._model.decode_logits(inputs, scratch)
         torch.cuda.current_stream().wait_stream(self._stream)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._memory, stream=self._stream):
+        # NOTE: thread-local: the store's threads may allocate pinned memory or query events
+        # while a capture runs (a new batch size mid-serving); in the default global mode
+        # that would invalidate the capture.
+        with torch.cuda.graph(
+            graph, pool=self._memory, stream=self._stream, capture_error_mode="thread_local"
+        ):
             logits = self._model.decode_logits(inputs, self._pool)
         self.captures += 1
         return _Captured(graph, packed, inputs, logits)
 
 
-__all__ = ["BLOCK_BUCKET", "DecodeGraphs", "DecodeItem"]
+__all__ = ["BLOCK_BUCKET", "DecodeGraphs", "DecodeItem", "pack_inputs", "unpack_inputs"]
