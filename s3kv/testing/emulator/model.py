@@ -525,13 +525,7 @@ class PagedLlama:
             chunk = layer_kv[inputs.block_table]  # [B, N, 2, Hkv, tpb, D]
             both = chunk.permute(2, 0, 3, 1, 4, 5).reshape(2, h.shape[0], w.kv_heads, width, -1)
             attn = _decode_attention(qk[:, : w.q_heads], both.to(qk.dtype), mask)
-            out = self._all_reduce(F.linear(attn.flatten(1), w.o_w))
-            hidden = hidden + (out if w.o_b is None else out + w.o_b)
-            h = self._rms(hidden, w.post_norm)
-            gate_up = F.linear(h, w.gate_up_w, w.gate_up_b)
-            ff = self._w.act(gate_up[:, : w.ff]) * gate_up[:, w.ff :]
-            out = self._all_reduce(F.linear(ff, w.down_w))
-            hidden = hidden + (out if w.down_b is None else out + w.down_b)
+            hidden = self._after_attention(w, hidden, attn)
         return F.linear(self._rms(hidden, self._w.final_norm), self._w.lm_head)
 
     def _check_pool(self, pool: torch.Tensor) -> torch.Tensor:
@@ -639,6 +633,13 @@ class PagedLlama:
             attn = qkv.new_empty(qkv.shape[0], w.q_heads, head_dim)
             for plan in plans:
                 attn[plan.rows] = self._attend(qkv[plan.rows], plan, layer_kv, w.q_heads)
+        return self._after_attention(w, hidden, attn)
+
+    def _after_attention(
+        self, w: _LayerWeights, hidden: torch.Tensor, attn: torch.Tensor
+    ) -> torch.Tensor:
+        """The rest of a layer after attention ``[T, Hq, D]``: ``o_proj`` and the MLP, each
+        with its all-reduce and residual."""
         out = self._all_reduce(F.linear(attn.flatten(1), w.o_w))
         hidden = hidden + (out if w.o_b is None else out + w.o_b)
         h = self._rms(hidden, w.post_norm)
