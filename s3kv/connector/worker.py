@@ -118,7 +118,8 @@ class _PendingCopy:
 
 @dataclass
 class _Unissued:
-    """Device→host copies of one forward pass, planned in ``wait_for_save``, not queued yet."""
+    """Device→host copies of one forward pass (or the rest of one, after a share was queued),
+    planned in ``wait_for_save``, not queued yet."""
 
     ops: SaveOps
     buffers: list[Any]
@@ -448,7 +449,8 @@ class WorkerCore:
 
         On a CUDA device (:attr:`~s3kv.connector.device.CopyEngine.defers_saves`; the
         emulator's late device too) the copies are queued by the next :meth:`finished`
-        (``get_finished``, later in the same iteration), not here: TensorRT-LLM's sampler
+        (``get_finished``, later in the same iteration), a share per call
+        (:data:`SAVE_COPY_BYTES`), not here: TensorRT-LLM's sampler
         queues the new tokens' copy to the host after ``wait_for_save`` (``_forward_step``,
         then ``_sample_async``: ``py_executor.py`` @ 000439672005; ``TorchSampler.sample_async``
         in ``sampler.py`` @ 28edbcdb), and a device-to-host copy queued before it delays it by the
