@@ -1,9 +1,11 @@
 """When the worker queues a forward pass's device->host save copies, and what they hold back.
 
-On CUDA the copies are planned in ``wait_for_save`` and queued at the next ``get_finished``:
-TensorRT-LLM's sampler queues the new tokens' copy to the host between the two, and a copy
-engine serves copies in order, so the tokens must not wait behind a prompt's blocks. Until
-queued and completed, the blocks' requests stay "saving" (their blocks stay allocated).
+On CUDA the copies are planned in ``wait_for_save`` and queued from the ``get_finished``
+after the one that ends their iteration: TensorRT-LLM's sampler queues the new tokens' copy
+to the host after ``wait_for_save``, and a copy engine serves copies in order, so the tokens
+must not wait behind a prompt's blocks; and under the overlap loop the engine reads the
+tokens only in the next iteration, so the host time of queueing them must not come first.
+Until queued and completed, the blocks' requests stay "saving" (their blocks stay allocated).
 The engine here is a recording fake whose events the test completes.
 """
 
@@ -84,12 +86,14 @@ def saves(request_id: int, blocks: list[int]) -> ConnectorMetadata:
     )
 
 
-def test_copies_are_queued_at_get_finished_and_hold_their_request_until_done() -> None:
+def test_copies_are_queued_at_the_next_iterations_get_finished_and_hold_their_request() -> None:
     core, engine, store, pool = worker()
     core.save_after_forward(saves(1, [2, 5]), stream=None)
     assert engine.queued == []  # NOTE: wait_for_save only planned them
     # NOTE: the request finished in this iteration (request_finished said it is saving).
     assert core.finished([1]) == []
+    assert engine.queued == []  # NOTE: this iteration's get_finished leaves them
+    assert core.finished([]) == []  # NOTE: the next iteration's (an idle one too) queues them
     assert engine.queued == [2]
     assert store.saved == {}
     engine.events[0].done = True
@@ -115,7 +119,8 @@ def test_a_copy_that_cannot_be_queued_loses_its_saves_but_never_its_request(
     core, engine, store, _ = worker()
     core.save_after_forward(saves(1, [0, 1]), stream=None)
     engine.fail = True
-    assert core.finished([1]) == [1]  # NOTE: nothing raised into get_finished, none held
+    assert core.finished([1]) == []
+    assert core.finished([]) == [1]  # NOTE: nothing raised into get_finished, none held
     assert store.saved == {}
     assert store.metrics.value("connector_save_errors") == 2
     assert any("dropping the saves of 2 block(s)" in r.getMessage() for r in caplog.records)
@@ -128,6 +133,7 @@ def test_completed_copies_reach_the_store_at_get_finished_not_at_the_next_wait_f
     ``get_finished``, the iteration's last connector call, the responses are out."""
     core, engine, store, _ = worker()
     core.save_after_forward(saves(1, [0, 1]), stream=None)
+    core.finished([])
     core.finished([])
     engine.events[0].done = True
     core.save_after_forward(saves(2, [2]), stream=None)  # NOTE: the next iteration's
@@ -147,6 +153,7 @@ def test_copies_whose_events_cannot_be_polled_are_abandoned_never_saved_nor_hold
     core, engine, store, _ = worker()
     core.save_after_forward(saves(1, [0, 1]), stream=None)
     assert core.finished([1]) == []
+    assert core.finished([]) == []
     engine.events[0] = BrokenEvent("save0")
     core._pending[0].event = engine.events[0]
     free_before = len(core._buffers._free)
@@ -166,6 +173,8 @@ def test_a_drain_that_keeps_failing_abandons_the_copies_and_returns_the_finished
     core.finished([])
     core.save_after_forward(saves(2, [2]), stream=None)
     assert core.finished([1, 2]) == []
+    assert engine.queued == [2]  # NOTE: request 1's pass; request 2's waits a call
+    assert core.finished([]) == []
     engine.events[0].done = True  # NOTE: request 1's copy ended; request 2's may still run
 
     def broken(*, block: bool) -> None:
@@ -201,12 +210,12 @@ def test_a_prompts_copies_are_queued_a_share_per_get_finished_and_hold_it_till_t
     monkeypatch.setattr(worker_module, "SAVE_COPY_BYTES", 64 * core.block_nbytes)
     core.save_after_forward(saves(1, list(range(256))), stream=None)
     reported = []
-    for _ in range(5):
+    for _ in range(6):
         reported.append(core.finished([1] if not reported else []))
         for event in engine.events:
             event.done = True
-    assert engine.queued == [64, 64, 64, 64]  # NOTE: 4 calls of 64 copies
-    assert reported == [[], [], [], [], [1]]
+    assert engine.queued == [64, 64, 64, 64]  # NOTE: 4 calls of 64 copies, from the second
+    assert reported == [[], [], [], [], [], [1]]
     core.save_after_forward(ConnectorMetadata(), stream=None)  # NOTE: no copies left to queue
     assert engine.queued == [64, 64, 64, 64]
     assert len(store.saved) == 256
@@ -218,7 +227,8 @@ def test_what_waits_stays_within_four_iterations_copies_however_long_the_load(
 ) -> None:
     """Guard on the bound: 256 blocks planned every iteration for 30 iterations, 64 blocks'
     worth per call. A quarter of what waits goes when that is more, so the backlog settles
-    at a few iterations' copies instead of growing without end; flush queues the rest."""
+    at a few iterations' copies (and this iteration's, which wait a call) instead of growing
+    without end; flush queues the rest."""
     core, engine, store, _ = worker(num_blocks=300)
     monkeypatch.setattr(worker_module, "SAVE_COPY_BYTES", 64 * core.block_nbytes)
     waiting = []
@@ -234,29 +244,42 @@ def test_what_waits_stays_within_four_iterations_copies_however_long_the_load(
         for event in engine.events:
             event.done = True
         waiting.append(sum(len(batch.ops) for batch in core._unissued))
-    assert max(waiting) <= 4 * 256
+    assert max(waiting) <= 5 * 256
     assert waiting[-1] == waiting[-2]  # NOTE: settled
     core.flush()
     assert len(store.saved) == 30 * 256
 
 
-def test_a_share_that_cannot_be_cut_queues_the_whole_pass_and_loses_nothing(
+def test_a_share_whose_copies_cannot_be_planned_loses_its_saves_never_its_request_or_buffers(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     core, engine, store, _ = worker(num_blocks=300)
     monkeypatch.setattr(worker_module, "SAVE_COPY_BYTES", 64 * core.block_nbytes)
+    free_before = len(core._buffers._free)
     core.save_after_forward(saves(1, list(range(256))), stream=None)
+    real = core._copy_pairs
+    calls = []
 
-    def broken(*_: Any) -> list[SavePair]:
-        raise RuntimeError("cannot re-plan")
+    def broken_once(ops: SaveOps, buffers: list[Any]) -> list[SavePair]:
+        calls.append(len(ops))
+        if len(calls) == 1:
+            raise RuntimeError("cannot plan")
+        return real(ops, buffers)
 
-    monkeypatch.setattr(core, "_copy_pairs", broken)
-    assert core.finished([1]) == []
-    assert engine.queued == [256]
-    engine.events[0].done = True
-    assert core.finished([]) == [1]
-    assert len(store.saved) == 256
-    assert "could not split" in caplog.text
+    monkeypatch.setattr(core, "_copy_pairs", broken_once)
+    reported = []
+    for _ in range(6):
+        reported.append(core.finished([1] if not reported else []))
+        for event in engine.events:
+            event.done = True
+    assert calls == [64, 64, 64, 64]
+    assert engine.queued == [64, 64, 64]  # NOTE: the first share's 64 saves are dropped
+    assert reported == [[], [], [], [], [], [1]]
+    assert len(store.saved) == 192
+    assert store.metrics.value("connector_save_errors") == 64
+    # NOTE: every buffer is back: the dropped share's at once (nothing was queued into it).
+    assert len(core._buffers._free) == free_before + 256
+    assert "dropping the saves of 64 block(s)" in caplog.text
 
 
 def test_short_of_buffers_the_waiting_copies_are_queued_at_once(
@@ -268,6 +291,7 @@ def test_short_of_buffers_the_waiting_copies_are_queued_at_once(
     monkeypatch.setattr(worker_module, "SAVE_COPY_BYTES", 64 * core.block_nbytes)
     core.save_after_forward(saves(1, list(range(256))), stream=None)
     core.finished([1])
+    core.finished([])
     assert engine.queued == [64]
     monkeypatch.setattr(core._buffers, "acquire_many", lambda n: [])
     core.save_after_forward(saves(2, [250, 251]), stream=None)

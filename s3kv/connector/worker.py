@@ -119,12 +119,13 @@ class _PendingCopy:
 @dataclass
 class _Unissued:
     """Device→host copies of one forward pass (or the rest of one, after a share was queued),
-    planned in ``wait_for_save``, not queued yet."""
+    planned in ``wait_for_save``, not queued yet. Their copy pairs are worked out when they
+    are queued, a share at a time."""
 
     ops: SaveOps
     buffers: list[Any]
-    pairs: list[SavePair]
     stream: Any
+    fresh: bool = True  # NOTE: no get_finished since its pass: the next one skips it
 
 
 class SaveBufferPool:
@@ -244,7 +245,7 @@ class WorkerCore:
         )
         self._arenas: dict[str, SlabArena] = {}
         self._pending: deque[_PendingCopy] = deque()
-        self._unissued: list[_Unissued] = []  # NOTE: queued at the next get_finished
+        self._unissued: list[_Unissued] = []  # NOTE: queued from the next get_finished but one
         # NOTE: whether get_finished ran since the last wait_for_save: it hands completed
         # copies to the store; an engine that never calls it gets that in wait_for_save.
         self._finished_called = True
@@ -448,15 +449,21 @@ class WorkerCore:
         """Plan device→host copies of this iteration's full blocks; never waits on them.
 
         On a CUDA device (:attr:`~s3kv.connector.device.CopyEngine.defers_saves`; the
-        emulator's late device too) the copies are queued by the next :meth:`finished`
-        (``get_finished``, later in the same iteration), a share per call
-        (:data:`SAVE_COPY_BYTES`), not here: TensorRT-LLM's sampler
+        emulator's late device too) the copies are queued by :meth:`finished`
+        (``get_finished``), a share per call (:data:`SAVE_COPY_BYTES`), starting with the
+        call after the one that ends this iteration, not here: TensorRT-LLM's sampler
         queues the new tokens' copy to the host after ``wait_for_save`` (``_forward_step``,
         then ``_sample_async``: ``py_executor.py`` @ 000439672005; ``TorchSampler.sample_async``
         in ``sampler.py`` @ 28edbcdb), and a device-to-host copy queued before it delays it by the
         whole of them: a token read waited 4.1 ms behind a prompt's 254 1-MiB block copies
-        on an H100 (``benchmarks/gpu_copy_order.py``). Until then the blocks' requests count
-        as saving, so their blocks stay allocated.
+        on an H100 (``benchmarks/gpu_copy_order.py``). And not in this iteration's
+        ``get_finished`` either: under the overlap loop it runs before the engine waits for
+        this pass's tokens (the next iteration's ``_update_requests``), and where the host,
+        not the device, is the bottleneck (a small model's prefill) the host time it takes
+        to queue a share delays the first token by as much: on an H200 host a cold SmolLM2
+        8K prompt's first share took 0.4-0.9 ms, where its whole prefill is 22 ms
+        (``gpu_ab.py``). One iteration later the token has been read. Until queued and
+        completed, the blocks' requests count as saving, so their blocks stay allocated.
 
         On such a device completed copies reach the store in :meth:`finished`, not here,
         unless no :meth:`finished` ran since the last call (or the buffers ran short):
@@ -471,7 +478,8 @@ class WorkerCore:
         if self._unawaited:  # NOTE: no forward-pass callable ran: never leave a load unawaited
             self._await_all(stream)
         if not self._finished_called:
-            self._issue()  # NOTE: an engine that skipped get_finished: queue them now, in order
+            self._ripen()  # NOTE: an engine that skipped get_finished: queue them now, in order
+            self._issue()
         self.poll_loads()
         if not self._finished_called:
             self._drain(block=False)
@@ -490,63 +498,62 @@ class WorkerCore:
             self.store.metrics.inc("connector_save_buffers_full", len(metadata.saves) - len(ops))
         if not ops:
             return
-        try:
-            pairs = self._copy_pairs(ops, buffers)
-        except Exception:
-            for buffer in buffers:
-                self._buffers.release(buffer)
-            raise
         for request_id, count in Counter(ops.request_ids).items():
             self._inflight[request_id] += count
-        self._unissued.append(_Unissued(ops, buffers, pairs, stream))
+        self._unissued.append(_Unissued(ops, buffers, stream))
         if not self._engine_for(stream).defers_saves:
             self._issue(everything=True)  # NOTE: copies that run now: nothing to get ahead of
             self._drain(block=False)
 
     def _issue(self, *, everything: bool = False) -> None:
-        """Queue the planned copies, oldest first. A copy that cannot be queued loses its
-        blocks' saves (counted, logged) and never holds its requests back.
+        """Queue the planned copies, oldest first. A copy that cannot be planned or queued
+        loses its blocks' saves (counted, logged) and never holds its requests back.
 
-        Unless ``everything``, at most :data:`SAVE_COPY_BYTES` (or a :data:`SAVE_COPY_SPREAD`
-        share of the planned blocks) are queued; the rest wait for the next call, their
-        requests still saving.
+        Unless ``everything``, copies planned since the last :meth:`finished` are left for
+        the next call, and of the others at most :data:`SAVE_COPY_BYTES` (or a
+        :data:`SAVE_COPY_SPREAD` share of them) are queued; the rest wait for the next call,
+        their requests still saving.
         """
-        budget = sum(len(batch.ops) for batch in self._unissued)
+        ready = [batch for batch in self._unissued if everything or not batch.fresh]
+        budget = sum(len(batch.ops) for batch in ready)
         if not everything:
             share = max(1, SAVE_COPY_BYTES // self.block_nbytes, -(-budget // SAVE_COPY_SPREAD))
             budget = min(budget, share)
-        while self._unissued and budget > 0:
+        while self._unissued and budget > 0 and (everything or not self._unissued[0].fresh):
             batch = self._unissued.pop(0)
-            if len(batch.ops) > budget:
-                batch = self._split(batch, budget)
+            if len(batch.ops) > budget:  # NOTE: the rest goes back to the head of the queue
+                rest = _Unissued(batch.ops[budget:], batch.buffers[budget:], batch.stream, False)
+                self._unissued.insert(0, rest)
+                batch = _Unissued(batch.ops[:budget], batch.buffers[:budget], batch.stream)
             budget -= len(batch.ops)
-            try:
-                event = self._engine_for(batch.stream).save(batch.pairs, batch.stream)
-            except Exception:
-                # NOTE: the buffers stay out of the pool: part of the copies may be queued.
-                logger.exception("s3kv: dropping the saves of %d block(s)", len(batch.ops))
-                self.store.metrics.inc("connector_save_errors", len(batch.ops))
-                self._settle(batch.ops)
-                continue
-            self._pending.append(_PendingCopy(event, batch.ops, batch.buffers))
+            self._queue(batch)
 
-    def _split(self, batch: _Unissued, count: int) -> _Unissued:
-        """The first ``count`` blocks of ``batch``; the rest goes back to the head of the
-        queue. If the copies cannot be re-planned, the whole batch (nothing is lost)."""
+    def _ripen(self) -> None:
+        """Every planned copy may be queued by the next :meth:`_issue`."""
+        for batch in self._unissued:
+            batch.fresh = False
+
+    def _queue(self, batch: _Unissued) -> None:
+        """Queue one share's copies; if they cannot be planned or queued, drop its saves."""
         try:
-            head = _Unissued(
-                batch.ops[:count],
-                batch.buffers[:count],
-                self._copy_pairs(batch.ops[:count], batch.buffers[:count]),
-                batch.stream,
-            )
-            rest_ops, rest_buffers = batch.ops[count:], batch.buffers[count:]
-            rest_pairs = self._copy_pairs(rest_ops, rest_buffers)
+            pairs = self._copy_pairs(batch.ops, batch.buffers)
         except Exception:
-            logger.exception("s3kv: could not split a forward pass's save copies")
-            return batch
-        self._unissued.insert(0, _Unissued(rest_ops, rest_buffers, rest_pairs, batch.stream))
-        return head
+            # NOTE: nothing was queued: the buffers can go back to the pool.
+            logger.exception("s3kv: dropping the saves of %d block(s)", len(batch.ops))
+            self.store.metrics.inc("connector_save_errors", len(batch.ops))
+            self._settle(batch.ops)
+            for buffer in batch.buffers:
+                self._buffers.release(buffer)
+            return
+        try:
+            event = self._engine_for(batch.stream).save(pairs, batch.stream)
+        except Exception:
+            # NOTE: the buffers stay out of the pool: part of the copies may be queued.
+            logger.exception("s3kv: dropping the saves of %d block(s)", len(batch.ops))
+            self.store.metrics.inc("connector_save_errors", len(batch.ops))
+            self._settle(batch.ops)
+            return
+        self._pending.append(_PendingCopy(event, batch.ops, batch.buffers))
 
     def _settle(self, ops: SaveOps) -> None:
         """These blocks' copies are over (done or lost): their requests may finish."""
@@ -653,6 +660,7 @@ class WorkerCore:
         self._finished_called = True
         try:
             self._issue()
+            self._ripen()  # NOTE: this pass's copies are queued from the next call on
             self.poll_loads()
         except Exception:  # NOTE: the ids stay awaited; a later call returns them
             logger.exception("s3kv: polling device copies failed")
