@@ -458,12 +458,11 @@ class WorkerCore:
         whole of them: a token read waited 4.1 ms behind a prompt's 254 1-MiB block copies
         on an H100 (``benchmarks/gpu_copy_order.py``). And not in this iteration's
         ``get_finished`` either: under the overlap loop it runs before the engine waits for
-        this pass's tokens (the next iteration's ``_update_requests``), and where the host,
-        not the device, is the bottleneck (a small model's prefill) the host time it takes
-        to queue a share delays the first token by as much: on an H200 host a cold SmolLM2
-        8K prompt's first share took 0.4-0.9 ms, where its whole prefill is 22 ms
-        (``gpu_ab.py``). One iteration later the token has been read. Until queued and
-        completed, the blocks' requests count as saving, so their blocks stay allocated.
+        this pass's tokens (the next iteration's ``_update_requests``), so the host time of
+        queueing a share (0.3-0.9 ms for a cold SmolLM2 8K prompt's first on an H200 host,
+        ``gpu_ab.py``) would come before the token wherever the host, not the device, bounds
+        the pass. One iteration later the token has been read. Until queued and completed,
+        the blocks' requests count as saving, so their blocks stay allocated.
 
         On such a device completed copies reach the store in :meth:`finished`, not here,
         unless no :meth:`finished` ran since the last call (or the buffers ran short):
