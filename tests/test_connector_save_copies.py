@@ -123,6 +123,7 @@ def test_a_copy_that_cannot_be_queued_loses_its_saves_but_never_its_request(
     assert core.finished([]) == [1]  # NOTE: nothing raised into get_finished, none held
     assert store.saved == {}
     assert store.metrics.value("connector_save_errors") == 2
+    assert store.metrics.value("connector_save_buffers_withheld") == 2  # NOTE: may be written
     assert any("dropping the saves of 2 block(s)" in r.getMessage() for r in caplog.records)
 
 
@@ -227,8 +228,8 @@ def test_what_waits_stays_within_four_iterations_copies_however_long_the_load(
 ) -> None:
     """Guard on the bound: 256 blocks planned every iteration for 30 iterations, 64 blocks'
     worth per call. A quarter of what waits goes when that is more, so the backlog settles
-    at a few iterations' copies (and this iteration's, which wait a call) instead of growing
-    without end; flush queues the rest."""
+    at a few iterations' copies (this iteration's, which wait a call, included) instead of
+    growing without end; flush queues the rest."""
     core, engine, store, _ = worker(num_blocks=300)
     monkeypatch.setattr(worker_module, "SAVE_COPY_BYTES", 64 * core.block_nbytes)
     waiting = []
@@ -244,7 +245,7 @@ def test_what_waits_stays_within_four_iterations_copies_however_long_the_load(
         for event in engine.events:
             event.done = True
         waiting.append(sum(len(batch.ops) for batch in core._unissued))
-    assert max(waiting) <= 5 * 256
+    assert max(waiting) <= 4 * 256
     assert waiting[-1] == waiting[-2]  # NOTE: settled
     core.flush()
     assert len(store.saved) == 30 * 256
@@ -267,9 +268,11 @@ def test_a_share_whose_copies_cannot_be_planned_loses_its_saves_never_its_reques
         return real(ops, buffers)
 
     monkeypatch.setattr(core, "_copy_pairs", broken_once)
-    reported = []
-    for _ in range(6):
-        reported.append(core.finished([1] if not reported else []))
+    reported = [core.finished([1]), core.finished([])]
+    # NOTE: the dropped share's buffers are back at once (nothing was queued into them).
+    assert len(core._buffers._free) == free_before + 64
+    for _ in range(4):
+        reported.append(core.finished([]))
         for event in engine.events:
             event.done = True
     assert calls == [64, 64, 64, 64]
@@ -296,3 +299,25 @@ def test_short_of_buffers_the_waiting_copies_are_queued_at_once(
     monkeypatch.setattr(core._buffers, "acquire_many", lambda n: [])
     core.save_after_forward(saves(2, [250, 251]), stream=None)
     assert engine.queued == [64, 192]
+
+
+def test_a_split_passs_rest_is_queued_first_when_the_engine_then_skips_get_finished(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The rest of a pass cut by a share goes back to the head of the queue, ready: an engine
+    that then skips get_finished gets it queued at the next wait_for_save, before any later
+    pass's copies (oldest first)."""
+    core, engine, store, _ = worker(num_blocks=300)
+    monkeypatch.setattr(worker_module, "SAVE_COPY_BYTES", 64 * core.block_nbytes)
+    core.save_after_forward(saves(1, list(range(128))), stream=None)
+    core.finished([1])
+    core.finished([])
+    assert engine.queued == [64]
+    core.save_after_forward(saves(2, [200]), stream=None)
+    core.save_after_forward(saves(3, [201]), stream=None)  # NOTE: no get_finished between
+    assert engine.queued == [64, 64]
+    assert [batch.ops.block_ids[0] for batch in core._unissued] == [200, 201]
+    for event in engine.events:
+        event.done = True
+    core.flush()
+    assert len(store.saved) == 130

@@ -287,6 +287,9 @@ class CudaCopyEngine:
             # and a copy engine serves them before the token copy that becomes ready a
             # little later: the token waited 5.8 ms behind a prompt's 254 blocks on an
             # H200, 0.5 ms ordered after it (benchmarks/gpu_copy_order.py, "blocks_after").
+            # A pass's copies are queued one get_finished after its own iteration's, so they
+            # also wait for the next forward pass: safe, as a running or saving request's
+            # full blocks are never rewritten (GUARANTEED_NO_EVICT, required by envelope.py).
             self._side.wait_stream(self._stream(stream))
             self._copy([buffer for buffer, _ in pairs], [block for _, block in pairs])
             event = torch.cuda.Event()

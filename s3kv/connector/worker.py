@@ -16,7 +16,8 @@ Contracts:
   point).
 * :meth:`WorkerCore.save_after_forward` plans device→host copies of full blocks into bounded
   host buffers, on a side stream ordered after the engine's; on a device they are queued by
-  the next :meth:`WorkerCore.finished`. Nothing waits for S3.
+  :meth:`WorkerCore.finished`, a share per call, from the call after the one that ends their
+  iteration. Nothing waits for S3.
 * :meth:`WorkerCore.finished` queues the planned copies, hands completed ones to the store
   (which encodes and uploads them on its pool), and reports a request as saved once all of
   its device→host copies have completed on this rank. An engine that never calls it gets the
@@ -458,7 +459,8 @@ class WorkerCore:
         whole of them: a token read waited 4.1 ms behind a prompt's 254 1-MiB block copies
         on an H100 (``benchmarks/gpu_copy_order.py``). And not in this iteration's
         ``get_finished`` either: under the overlap loop it runs before the engine waits for
-        this pass's tokens (the next iteration's ``_update_requests``), so the host time of
+        this pass's tokens (the next iteration's ``_update_requests``;
+        ``_executor_loop_overlap``, ``py_executor.py`` @ 000439672005), so the host time of
         queueing a share (0.3-0.9 ms for a cold SmolLM2 8K prompt's first on an H200 host,
         ``gpu_ab.py``) would come before the token wherever the host, not the device, bounds
         the pass. One iteration later the token has been read. Until queued and completed,
@@ -521,7 +523,9 @@ class WorkerCore:
         while self._unissued and budget > 0 and (everything or not self._unissued[0].fresh):
             batch = self._unissued.pop(0)
             if len(batch.ops) > budget:  # NOTE: the rest goes back to the head of the queue
-                rest = _Unissued(batch.ops[budget:], batch.buffers[budget:], batch.stream, False)
+                rest = _Unissued(
+                    batch.ops[budget:], batch.buffers[budget:], batch.stream, fresh=False
+                )
                 self._unissued.insert(0, rest)
                 batch = _Unissued(batch.ops[:budget], batch.buffers[:budget], batch.stream)
             budget -= len(batch.ops)
@@ -537,22 +541,27 @@ class WorkerCore:
         try:
             pairs = self._copy_pairs(batch.ops, batch.buffers)
         except Exception:
-            # NOTE: nothing was queued: the buffers can go back to the pool.
-            logger.exception("s3kv: dropping the saves of %d block(s)", len(batch.ops))
-            self.store.metrics.inc("connector_save_errors", len(batch.ops))
-            self._settle(batch.ops)
-            for buffer in batch.buffers:
-                self._buffers.release(buffer)
+            self._drop(batch, queued=False)
             return
         try:
             event = self._engine_for(batch.stream).save(pairs, batch.stream)
         except Exception:
-            # NOTE: the buffers stay out of the pool: part of the copies may be queued.
-            logger.exception("s3kv: dropping the saves of %d block(s)", len(batch.ops))
-            self.store.metrics.inc("connector_save_errors", len(batch.ops))
-            self._settle(batch.ops)
+            self._drop(batch, queued=True)
             return
         self._pending.append(_PendingCopy(event, batch.ops, batch.buffers))
+
+    def _drop(self, batch: _Unissued, *, queued: bool) -> None:
+        """Give up a share that failed (counted, logged): its requests may finish. Its
+        buffers go back to the pool unless part of its copies may have been ``queued``
+        (then a copy may still write them, and they stay out, counted)."""
+        logger.exception("s3kv: dropping the saves of %d block(s)", len(batch.ops))
+        self.store.metrics.inc("connector_save_errors", len(batch.ops))
+        self._settle(batch.ops)
+        if queued:
+            self.store.metrics.inc("connector_save_buffers_withheld", len(batch.buffers))
+            return
+        for buffer in batch.buffers:
+            self._buffers.release(buffer)
 
     def _settle(self, ops: SaveOps) -> None:
         """These blocks' copies are over (done or lost): their requests may finish."""
@@ -658,8 +667,10 @@ class WorkerCore:
         self._awaiting.update(int(i) for i in finished_gen_req_ids)
         self._finished_called = True
         try:
-            self._issue()
-            self._ripen()  # NOTE: this pass's copies are queued from the next call on
+            try:
+                self._issue()
+            finally:
+                self._ripen()  # NOTE: this pass's copies are queued from the next call on
             self.poll_loads()
         except Exception:  # NOTE: the ids stay awaited; a later call returns them
             logger.exception("s3kv: polling device copies failed")
