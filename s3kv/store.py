@@ -514,7 +514,11 @@ class KVStore:
         # malformed block raises before any pin is taken, never half-way through pinning.
         staged = list(keys[: self.staging.count_leading(keys)])
         pinned = self.pin_leading(staged)
-        self.prefetch_many(keys[pinned:], maybe_only=True, hold=hold_prefetch)
+        # NOTE: a walk is queued only if the manifest may hold the next block (one scalar
+        # lookup, its key already hashed): a cold prompt's walk would find nothing, after
+        # taking the GIL from the engine's thread while it queues the forward pass.
+        if pinned < len(keys) and self.manifest.may_contain(keys[pinned]):
+            self.prefetch_many(keys[pinned:], maybe_only=True, hold=hold_prefetch)
         self.record_hits(staged[:pinned])
         return pinned
 
@@ -556,6 +560,10 @@ class KVStore:
     def may_contain(self, key: BlockHash) -> bool:
         """Whether the bucket may hold ``key`` (false positives possible; no network)."""
         return self.manifest.may_contain(key)
+
+    def count_leading(self, keys: Sequence[BlockHash]) -> int:
+        """Length of the leading run of ``keys`` that :meth:`may_contain` (no network)."""
+        return self.manifest.count_leading(keys)
 
     def contains_many(self, keys: Sequence[BlockHash]) -> npt.NDArray[np.bool_]:
         """:meth:`may_contain` for each of ``keys``, in one vectorized filter pass (a

@@ -19,6 +19,7 @@ from s3kv.connector.scheduler import SchedulerCore
 from s3kv.connector.shared import ShardStores
 from s3kv.errors import KeyDerivationError
 from s3kv.keys import ROOT_HASH, KeyChain, ModelIdentity, chain_hashes
+from s3kv.manifest.filters import KeyFilter
 from s3kv.pool import IOPool, Priority
 from s3kv.staging import NumpyAllocator
 from s3kv.storage import MemoryBackend
@@ -54,11 +55,13 @@ def identity(rank: int = 0, tp: int = 1) -> ModelIdentity:
     )  # fmt: skip
 
 
-def make_store(backend: MemoryBackend, rank: int = 0, tp: int = 1, **cfg: object) -> KVStore:
+def make_store(
+    backend: MemoryBackend, rank: int = 0, tp: int = 1, pool: IOPool | None = None, **cfg: object
+) -> KVStore:
     config = S3KVConfig.load(environ={}, bucket="bkt", manifest_refresh_interval=0, **cfg)
     return KVStore.open(
         config, identity(rank, tp), backend=backend, allocator=NumpyAllocator(),
-        pool=IOPool(0), start_background=False,
+        pool=pool or IOPool(0), start_background=False,
     )  # fmt: skip
 
 
@@ -163,8 +166,17 @@ def test_a_prefetch_no_forward_pass_started_is_started_by_the_next_iteration() -
     assert core.shards.held_walks == 0
 
 
+def test_a_cold_prompt_queues_no_prefetch_walk() -> None:
+    core = core_for(make_store(MemoryBackend()))
+    assert core.get_num_new_matched_tokens(view(FakeRequest(1, PROMPT)), 0) == 0
+    assert core.shards is not None
+    assert core.shards.held_walks == 0  # NOTE: the manifest lacks its first block
+
+
 def test_claims_every_iteration_without_a_forward_pass_never_pile_up_walks() -> None:
-    reader = make_store(MemoryBackend())
+    backend = MemoryBackend()
+    put_blocks(make_store(backend), PROMPT, 4)
+    reader = make_store(backend, pool=GatedPool())  # NOTE: walks queued, never run
     core = core_for(reader)
     assert core.shards is not None
     for step in range(5):  # NOTE: a request re-offered every iteration, never scheduled
@@ -325,6 +337,61 @@ def test_blocks_already_in_the_bucket_are_not_saved_again() -> None:
     meta = core.build_connector_meta([first_report(1, PROMPT, [0, 1, 2, 3, 4], 16, 1)], [])
     assert meta.saves == (), "...and does not copy out blocks the manifest already has"
     assert core.request_finished(request.request_id) is False
+
+
+def put_chain_without(store: KVStore, tokens: list[int], n: int, hole: int) -> None:
+    keys = chain_hashes(tokens, TPB)
+    for i in range(n):
+        if i != hole:
+            store.save(keys[i], keys[i - 1] if i else ROOT_HASH, block(i), dtype="bfloat16",
+                       shape=SHAPE)  # fmt: skip
+    store.flush()
+
+
+def test_a_chain_is_saved_from_the_first_block_the_bucket_lacks_past_a_hole_too() -> None:
+    backend = MemoryBackend()
+    put_chain_without(make_store(backend), PROMPT, 4, hole=2)
+    core = core_for(make_store(backend))
+    request = FakeRequest(1, PROMPT)
+    assert core.get_num_new_matched_tokens(view(request), 0) == 0  # nothing staged
+    core.update_state_after_alloc(request.request_id, [0, 1, 2, 3, 4])
+    meta = core.build_connector_meta([first_report(1, PROMPT, [0, 1, 2, 3, 4], 0, 17)], [])
+    keys = chain_hashes(PROMPT, TPB)
+    # Blocks 0 and 1 exist; 2 is the hole; 3 exists past it and is written again (keys
+    # chain: only a failed save leaves such a block, and a rewrite of it is harmless).
+    assert [op.block_id for op in meta.saves] == [2, 3]
+    assert [op.parent for op in meta.saves] == [keys[1], keys[2]]
+
+
+def test_a_cold_prompt_asks_the_filter_one_key_not_a_pass_over_all(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    backend = MemoryBackend()
+    put_blocks(make_store(backend), list(range(500, 517)), 4)  # the filter is not empty
+    core = core_for(make_store(backend))
+    passes: list[int] = []
+    real = KeyFilter.contains_many
+    monkeypatch.setattr(
+        KeyFilter, "contains_many", lambda self, keys: passes.append(len(keys)) or real(self, keys)
+    )
+    request = FakeRequest(1, PROMPT)
+    core.get_num_new_matched_tokens(view(request), 0)
+    core.update_state_after_alloc(request.request_id, [0, 1, 2, 3, 4])
+    meta = core.build_connector_meta([first_report(1, PROMPT, [0, 1, 2, 3, 4], 0, 17)], [])
+    assert [op.block_id for op in meta.saves] == [0, 1, 2, 3]
+    assert passes == []
+
+
+def test_blocks_without_a_page_are_skipped_and_the_rest_keep_their_parents() -> None:
+    core = core_for(make_store(MemoryBackend()))
+    request = FakeRequest(1, PROMPT)
+    core.get_num_new_matched_tokens(view(request), 0)
+    core.update_state_after_alloc(request.request_id, [-1, 6, -1, 8, 9])
+    meta = core.build_connector_meta([first_report(1, PROMPT, [-1, 6, -1, 8, 9], 0, 17)], [])
+    keys = chain_hashes(PROMPT, TPB)
+    assert [(op.block_id, op.key, op.parent) for op in meta.saves] == [
+        (6, keys[1], keys[0]), (8, keys[3], keys[2])
+    ]  # fmt: skip
 
 
 def test_pins_are_held_until_every_rank_reports_the_copies_completed() -> None:

@@ -7,6 +7,7 @@ injected clock and the compactor driven by hand (``compact_once``), so each step
 from __future__ import annotations
 
 import json
+import os
 import time
 from typing import Any
 
@@ -358,6 +359,13 @@ def test_snapshot_shards_round_trip_and_stream(backend: CountingBackend) -> None
     built = KeyFilter(FPR, filters, ref.shard_bits)
     assert rebuilt == 0
     assert all(built.contains_many([bytes(k) for k in rows["key"][:5000]]))
+    # A key asked alone takes the scalar path: the same answers, shards and growth alike.
+    grown, absent = [os.urandom(16) for _ in range(50)], [os.urandom(16) for _ in range(50)]
+    built.add_many(grown)
+    sample = [bytes(k) for k in rows["key"][:200]] + grown + absent
+    assert [key in built for key in sample] == built.contains_many(sample).tolist()
+    assert built.count_leading(sample) == 250
+    assert built.count_leading(absent + sample) == 0
 
 
 def test_migration_from_format_1(backend: CountingBackend, clock: Clock) -> None:

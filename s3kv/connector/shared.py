@@ -430,6 +430,15 @@ class ShardStores:
         """
         return all(store.may_contain(key) for store in self.stores)
 
+    def count_leading(self, keys: Sequence[BlockHash]) -> int:
+        """Length of the leading run of ``keys`` that :meth:`may_contain` on every shard."""
+        run = len(keys)
+        for store in self.stores:
+            run = store.count_leading(keys[:run])
+            if not run:
+                break
+        return run
+
     def contains_many(self, keys: Sequence[BlockHash]) -> npt.NDArray[np.bool_]:
         """:meth:`may_contain` for each of ``keys``: one filter pass per shard."""
         present = self.stores[0].contains_many(keys)

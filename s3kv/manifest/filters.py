@@ -181,11 +181,23 @@ class KeyFilter:
         return found
 
     def __contains__(self, key: object) -> bool:
-        return isinstance(key, bytes) and bool(self.contains_many([key])[0])
+        """Whether one key may exist: scalar probes, a few microseconds (no numpy call)."""
+        if not isinstance(key, bytes) or len(key) != 16:
+            return False
+        if self._shards:
+            lead = (key[0] << 8) | key[1]
+            if key in self._shards[lead >> (16 - self._shard_bits)]:
+                return True
+        return any(key in part for part in self._parts())
 
     def count_leading(self, keys: Sequence[bytes]) -> int:
-        """Length of the leading run of ``keys`` that may exist."""
-        if not keys:
+        """Length of the leading run of ``keys`` that may exist.
+
+        The first key is asked alone first: a prompt nobody saved (its first block absent)
+        then costs one scalar lookup, not a vectorized pass over every key (0.3-0.6 ms for
+        an 8K-token prompt on the engine's thread).
+        """
+        if not keys or keys[0] not in self:
             return 0
         missing = np.flatnonzero(~self.contains_many(keys))
         return int(missing[0]) if len(missing) else len(keys)

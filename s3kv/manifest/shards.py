@@ -137,6 +137,8 @@ class ShardedPresence:
 
     def count_leading(self, shard: int, keys: Sequence[bytes]) -> int:
         """Length of the leading run of ``keys`` that :meth:`may_contain` for ``shard``."""
+        if not keys or not self.may_contain(shard, keys[0]):
+            return 0  # NOTE: a prompt nobody saved costs one scalar lookup, not a pass
         present = self._manifest.contains_many(keys)
         missing = np.flatnonzero(~present)
         # NOTE: a racy emptiness check is fine: a key added meanwhile is a hint missed once.
