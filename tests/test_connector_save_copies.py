@@ -321,3 +321,23 @@ def test_a_split_passs_rest_is_queued_first_when_the_engine_then_skips_get_finis
         event.done = True
     core.flush()
     assert len(store.saved) == 130
+
+
+def test_buffers_released_out_of_order_come_back_lowest_slots_first() -> None:
+    from s3kv.arena import SlabArena
+    from s3kv.connector.worker import SaveBufferPool
+
+    arena = SlabArena.create(64, 64 * 12, tag="order-test")
+    try:
+        pool = SaveBufferPool(64, 64 * 12, pinned=False, arena=arena)
+        taken = pool.acquire_many(10)
+        assert [pool.slot(b) for b in taken] == list(range(10))
+        for i in (7, 2, 9, 0, 5, 3):  # NOTE: as encoders finish: any order
+            pool.release(taken[i])
+        again = pool.acquire_many(4)
+        assert [pool.slot(b) for b in again] == [0, 2, 3, 5]  # a run's slots, in order
+        pool.release(again[1])  # slot 2, below the free ones: no re-sort needed
+        assert [pool.slot(b) for b in pool.acquire_many(3)] == [2, 7, 9]
+        assert [pool.slot(b) for b in pool.acquire_many(3)] == [10, 11]  # fresh, to the bound
+    finally:
+        arena.close()
