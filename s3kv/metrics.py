@@ -73,6 +73,10 @@ HELP: Mapping[str, str] = {
         "Save buffers kept out of the pool for good: a failed device copy may still write them."
     ),
     "connector_save_planning_errors": "Requests whose save planning failed (saves dropped).",
+    "connector_saves_queued_idle": (
+        "Save copies queued by the idle saver: the engine made no call for a while (TensorRT-"
+        "LLM stops calling the connector when no request is left)."
+    ),
     "connector_uncacheable_requests": (
         "Requests neither claimed nor saved: key inputs s3kv cannot see (unmapped LoRA task "
         "id, p-tuning prompt table)."

@@ -11,6 +11,7 @@ The engine here is a recording fake whose events the test completes.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -35,6 +36,7 @@ class DeferringEngine:
     """Copies when queued (so the bytes can be checked); its events complete on demand."""
 
     defers_saves: bool = True
+    queues_from_any_thread: bool = False
     queued: list[int] = field(default_factory=list)  # blocks per queued save batch
     events: list[FakeEvent] = field(default_factory=list)
     fail: bool = False
@@ -68,11 +70,16 @@ class Store:
             consumed()
 
 
-def worker(num_blocks: int = 8) -> tuple[WorkerCore, DeferringEngine, Store, torch.Tensor]:
+def worker(
+    num_blocks: int = 8, idle_save_after: float | None = None
+) -> tuple[WorkerCore, DeferringEngine, Store, torch.Tensor]:
     pool = torch.arange(num_blocks * LAYERS * 2 * ELEMS, dtype=torch.float32).to(torch.bfloat16)
     pool = pool.view(num_blocks, LAYERS, 2, ELEMS)
     store = Store()
-    core = WorkerCore(0, store, pool, 1 << 20, board=CompletionBoard.private())  # type: ignore[arg-type]
+    core = WorkerCore(
+        0, store, pool, 1 << 20, board=CompletionBoard.private(),  # type: ignore[arg-type]
+        idle_save_after=idle_save_after,
+    )  # fmt: skip
     engine = DeferringEngine()
     core._engine = engine  # NOTE: the recording engine instead of the stream's
     return core, engine, store, pool
@@ -341,3 +348,43 @@ def test_buffers_released_out_of_order_come_back_lowest_slots_first() -> None:
         assert [pool.slot(b) for b in pool.acquire_many(3)] == [10, 11]  # fresh, to the bound
     finally:
         arena.close()
+
+
+def _until(condition: Callable[[], bool], timeout: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.005)
+    return True
+
+
+def test_an_idle_engine_still_gets_its_last_copies_saved_and_reported_at_its_next_call() -> None:
+    # NOTE: TensorRT-LLM calls get_finished once after a request's last forward pass, then
+    # blocks on its request queue: the idle saver must queue and hand over what waits.
+    core, engine, store, pool = worker(idle_save_after=0.02)
+    engine.queues_from_any_thread = True
+    try:
+        core.save_after_forward(saves(1, [2, 5]), stream=None)
+        assert core.finished([1]) == []  # the one call: its copies wait for the next
+        assert _until(lambda: engine.queued == [2]), "the idle saver never queued them"
+        engine.events[0].done = True
+        assert _until(lambda: len(store.saved) == 2), "completed copies never reached the store"
+        assert store.saved[bytes([1, 5]) * 8] == pool[5].view(torch.uint8).numpy().tobytes()
+        assert store.metrics.value("connector_saves_queued_idle") == 2
+        assert core.finished([]) == [1]  # reported by the engine's next call, once
+        assert core.finished([]) == []
+    finally:
+        core.close()
+
+
+def test_no_idle_saver_where_copies_must_be_queued_on_the_engines_thread() -> None:
+    core, engine, _, _ = worker(idle_save_after=0.01)  # NOTE: the engine does not allow it
+    try:
+        core.save_after_forward(saves(1, [2]), stream=None)
+        core.finished([1])
+        time.sleep(0.2)
+        assert engine.queued == []
+        assert core._idle_saver is None
+    finally:
+        core.close()

@@ -95,6 +95,10 @@ class CopyEngine(Protocol):
     #: shares (CUDA, and the emulator's late device that stands for it), so that copy is
     #: queued first (see ``WorkerCore.save_after_forward``).
     defers_saves: bool
+    #: Whether copies may be queued from a thread other than the engine's (the worker's
+    #: idle saver): CUDA streams may; the emulator's late device runs its closures on the
+    #: engine's thread only.
+    queues_from_any_thread: bool
 
     def mark_forward(self, stream: Any) -> None:
         """Record the end of the forward pass (device→host copies wait for it)."""
@@ -138,6 +142,7 @@ class SyncCopyEngine:
     """CPU pool, no stream: the copies are done when the call returns."""
 
     defers_saves = False
+    queues_from_any_thread = False
 
     def mark_forward(self, stream: Any) -> None:
         return None
@@ -170,6 +175,7 @@ class DeferredCopyEngine:
     # NOTE: as on CUDA, so the emulated runtimes (whose late device this serves) run the
     # worker's deferred save path through every test of the matrix.
     defers_saves = True
+    queues_from_any_thread = False
 
     def mark_forward(self, stream: Any) -> None:
         return None
@@ -218,6 +224,7 @@ class CudaCopyEngine:
     """
 
     defers_saves = True
+    queues_from_any_thread = True
 
     def __init__(self, device: Any) -> None:
         torch = _torch()

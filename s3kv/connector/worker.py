@@ -17,7 +17,9 @@ Contracts:
 * :meth:`WorkerCore.save_after_forward` plans device→host copies of full blocks into bounded
   host buffers, on a side stream ordered after the engine's; on a device they are queued by
   :meth:`WorkerCore.finished`, a share per call, from the call after the one that ends their
-  iteration. Nothing waits for S3.
+  iteration, or by the idle saver once the engine has made no call for
+  :data:`IDLE_SAVE_AFTER_S` (TensorRT-LLM stops calling when no request is left). Nothing
+  waits for S3.
 * :meth:`WorkerCore.finished` queues the planned copies, hands completed ones to the store
   (which encodes and uploads them on its pool), and reports a request as saved once all of
   its device→host copies have completed on this rank. An engine that never calls it gets the
@@ -30,11 +32,12 @@ import bisect
 import logging
 import operator
 import threading
+import time
 from collections import Counter, defaultdict, deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from functools import partial
-from typing import Any, cast
+from functools import partial, update_wrapper
+from typing import Any, Concatenate, ParamSpec, TypeVar, cast
 
 import numpy as np
 
@@ -75,6 +78,18 @@ LOAD_GROUP_MIN_BYTES = 1 << 20
 #: delay with all of a prompt's 1 GiB at once (decode overhead 0.5-0.9%).
 SAVE_COPY_BYTES = 64 << 20
 SAVE_COPY_SPREAD = 4
+
+#: Seconds without an engine call after which copies still waiting are queued, and completed
+#: ones handed to the store, by the worker's idle saver (a thread) instead of the next
+#: ``get_finished``. NOTE: TensorRT-LLM calls ``get_finished`` once after a request's last
+#: forward pass, then, with no request active or waiting, blocks on its request queue with
+#: no timeout (``_fetch_and_enqueue_requests``: ``request_queue.get(timeout=None)``) and
+#: never calls the connector again before the next request; its shutdown does not call it
+#: either (``should_stop_processing``, ``shutdown``; ``py_executor.py`` @ 000439672005).
+#: The last request's blocks would reach the bucket only with the next request, or never.
+#: Their requests are still reported by the next ``get_finished`` (their blocks stay
+#: allocated until then: TensorRT-LLM's to call), but their bytes are saved.
+IDLE_SAVE_AFTER_S = 0.5
 
 _slot_of_entry = operator.itemgetter(0)  # NOTE: a C-level sort key (SaveBufferPool._free)
 
@@ -217,6 +232,27 @@ class SaveBufferPool:
             self._free.append((slot, buffer))
 
 
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
+
+
+def _engine_call(
+    method: Callable[Concatenate[WorkerCore, _P], _R],
+) -> Callable[Concatenate[WorkerCore, _P], _R]:
+    """An engine entry point: runs under the worker's lock (the idle saver takes it too)
+    and stamps the time of the engine's last call."""
+
+    def entry(self: WorkerCore, /, *args: _P.args, **kwargs: _P.kwargs) -> _R:
+        with self._lock:
+            try:
+                return method(self, *args, **kwargs)
+            finally:
+                self._last_call = time.monotonic()
+
+    update_wrapper(entry, method)  # NOTE: its return value's type hides the signature
+    return entry
+
+
 class WorkerCore:
     """Loads and saves for one rank's KV pool.
 
@@ -229,6 +265,7 @@ class WorkerCore:
             board; tensor parallel: attached from the metadata when ``None``).
         relay: A rank > 0's relayed manifest under tensor parallelism: attached to rank 0's
             write relay the first time the metadata names it, before any save.
+        idle_save_after: :data:`IDLE_SAVE_AFTER_S`, or ``None``: no idle saver.
     """
 
     def __init__(
@@ -239,6 +276,8 @@ class WorkerCore:
         max_inflight_bytes: int,
         board: CompletionBoard | None = None,
         relay: RelayedManifest | None = None,
+        *,
+        idle_save_after: float | None = IDLE_SAVE_AFTER_S,
     ) -> None:
         self.rank = rank
         self.relay = relay
@@ -276,6 +315,11 @@ class WorkerCore:
         self._unawaited: list[_LoadInFlight] = []  # loads the forward has not fully awaited
         self._hooked: set[int] = set()  # layers whose wait_for_layer_load ran this pass
         self.layer_waits = False  # the hooks ran for every layer of a whole forward pass
+        self._lock = threading.RLock()  # NOTE: the save path's state: engine calls, idle saver
+        self._last_call = time.monotonic()
+        self._idle_save_after = idle_save_after
+        self._idle_saver: threading.Thread | None = None
+        self._closing = threading.Event()
 
     def set_load_groups(self, min_bytes: int) -> None:
         """Copy loads in layer groups of at least ``min_bytes`` per block (benchmarks, tests)."""
@@ -372,6 +416,7 @@ class WorkerCore:
         Returns without waiting for the copies. Their completion is published on the board
         (:meth:`poll_loads`), and only then may the scheduler recycle the sources.
         """
+        self._last_call = time.monotonic()  # NOTE: an engine call: the idle saver waits
         self._stream = stream
         engine = self._engine_for(stream)
         self.poll_loads()
@@ -457,6 +502,7 @@ class WorkerCore:
 
     # --- saves ---
 
+    @_engine_call
     def save_after_forward(self, metadata: ConnectorMetadata, stream: Any = None) -> None:
         """Plan device→host copies of this iteration's full blocks; never waits on them.
 
@@ -513,9 +559,60 @@ class WorkerCore:
         for request_id, count in Counter(ops.request_ids).items():
             self._inflight[request_id] += count
         self._unissued.append(_Unissued(ops, buffers, stream))
-        if not self._engine_for(stream).defers_saves:
+        engine = self._engine_for(stream)
+        if not engine.defers_saves:
             self._issue(everything=True)  # NOTE: copies that run now: nothing to get ahead of
             self._drain(block=False)
+        elif getattr(engine, "queues_from_any_thread", False):
+            self._start_idle_saver()
+
+    # --- the idle saver ---
+
+    def _start_idle_saver(self) -> None:
+        if self._idle_saver is not None or self._idle_save_after is None:
+            return
+        self._idle_saver = threading.Thread(
+            target=self._idle_saves, name=f"s3kv-idle-saver-{self.rank}", daemon=True
+        )
+        self._idle_saver.start()
+
+    def _idle_saves(self) -> None:
+        """While the engine makes no call for :data:`IDLE_SAVE_AFTER_S`: queue what waits and
+        hand completed copies to the store (:meth:`save_while_idle`)."""
+        after = self._idle_save_after
+        assert after is not None
+        poll = min(max(after / 4, 0.001), 0.05)
+        while not self._closing.wait(poll):
+            if not (self._unissued or self._pending):
+                continue
+            if time.monotonic() - self._last_call < after:
+                continue
+            if not self._lock.acquire(blocking=False):
+                continue  # NOTE: the engine is in a call: not idle
+            try:
+                if time.monotonic() - self._last_call >= after:
+                    self.save_while_idle()
+            except Exception:
+                logger.exception("s3kv: saving while the engine is idle failed")
+            finally:
+                self._lock.release()
+
+    def save_while_idle(self) -> None:
+        """Queue every planned copy and hand completed ones to the store; their requests are
+        reported by the next :meth:`finished`. Never waits for the device."""
+        with self._lock:
+            waiting = sum(len(batch.ops) for batch in self._unissued)
+            self._ripen()
+            self._issue(everything=True)
+            self._drain(block=False)
+            if waiting:
+                self.store.metrics.inc("connector_saves_queued_idle", waiting)
+
+    def close(self) -> None:
+        """Stop the idle saver (copies still waiting stay for :meth:`flush`)."""
+        self._closing.set()
+        if self._idle_saver is not None:
+            self._idle_saver.join(timeout=5.0)
 
     def _issue(self, *, everything: bool = False) -> None:
         """Queue the planned copies, oldest first. A copy that cannot be planned or queued
@@ -669,6 +766,7 @@ class WorkerCore:
             return
         self.store.metrics.inc("connector_copied_blocks", len(ops))
 
+    @_engine_call
     def finished(self, finished_gen_req_ids: Sequence[int]) -> list[int]:
         """Requests (passed in now or earlier) whose device→host copies are all done here.
 
@@ -706,6 +804,7 @@ class WorkerCore:
                 done = False
             self._abandon(pending, done=done)
 
+    @_engine_call
     def flush(self) -> None:
         """Wait for every pending copy and hand it to the store (shutdown)."""
         self._issue(everything=True)
