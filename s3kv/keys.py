@@ -31,7 +31,7 @@ import sys
 import threading
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, fields
-from typing import Final, NewType, overload
+from typing import Final, NamedTuple, NewType, overload
 
 import numpy as np
 import numpy.typing as npt
@@ -314,6 +314,54 @@ def _hash_blocks(
 #: Approximate bytes per cached key: a 16-byte ``bytes`` object and its list slot.
 KEY_OVERHEAD: Final = 57
 
+_PLAIN: Final = _Inputs(None, None, (), None)
+
+
+class KeyRun(NamedTuple):
+    """Consecutive plain blocks whose keys are still to be hashed: what :func:`chain_from`
+    needs, so that whoever uses the keys can hash them later, elsewhere.
+
+    Attributes:
+        parent: The key of the block before the run (never a sequence's first block).
+        tokens: The run's tokens, uint32 little-endian, whole blocks.
+        tokens_per_block: Tokens per block.
+    """
+
+    parent: bytes
+    tokens: bytes
+    tokens_per_block: int
+
+    @property
+    def blocks(self) -> int:
+        """Blocks in the run."""
+        return len(self.tokens) // (4 * self.tokens_per_block)
+
+    def keys(self) -> list[BlockHash]:
+        """The run's keys (what :class:`KeyChain` gives for the same blocks)."""
+        return chain_from(self.parent, self.tokens, self.tokens_per_block)
+
+
+def chain_from(parent: bytes, token_bytes: bytes, tokens_per_block: int) -> list[BlockHash]:
+    """Keys of plain blocks that follow the block keyed ``parent`` in a sequence.
+
+    Plain: no per-token extra ids, LoRA task or multimodal item (a cache salt only enters a
+    sequence's first block, which never follows a parent). ``token_bytes``: the blocks'
+    tokens as uint32 little-endian, whole blocks.
+
+    Raises:
+        KeyDerivationError: ``parent`` is not a key, or the tokens are not whole blocks.
+    """
+    _check_tokens_per_block(tokens_per_block)
+    width = 4 * tokens_per_block
+    if len(parent) != HASH_BYTES or len(token_bytes) % width:
+        raise KeyDerivationError(
+            f"chain_from: a {HASH_BYTES}-byte parent and whole blocks of {width} token bytes "
+            f"are needed, got {len(parent)} and {len(token_bytes)}"
+        )
+    return _hash_blocks(
+        token_bytes, tokens_per_block, BlockHash(parent), 1, len(token_bytes) // width, _PLAIN
+    )
+
 
 class KeyChain(Sequence[BlockHash]):
     """The chained keys of one request's tokens, hashed on demand, each block once.
@@ -339,8 +387,10 @@ class KeyChain(Sequence[BlockHash]):
         extra_ids, lora_task_id, multimodal, cache_salt: as :func:`chain_hashes`.
     """
 
-    #: Fewest blocks hashed per step (amortizes a step's fixed cost).
-    STEP: Final = 64
+    #: Fewest blocks hashed per step (amortizes a step's fixed cost). NOTE: small, as a cold
+    #: prompt's claim asks for one key: blocks it does not hash go to the workers unhashed
+    #: (run_of), and every block hashed here is hashed before the forward pass.
+    STEP: Final = 8
     #: Most blocks hashed while holding the lock.
     MAX_STEP: Final = 512
 
@@ -413,6 +463,23 @@ class KeyChain(Sequence[BlockHash]):
         """
         self.ensure(stop)
         return self._keys[start:stop]
+
+    def run_of(self, start: int, stop: int) -> KeyRun | None:
+        """Blocks ``start .. stop - 1`` as a :class:`KeyRun` to hash elsewhere, or ``None``
+        where they cannot be: the chain's inputs are not plain, ``start`` is 0, block
+        ``start - 1`` is not hashed yet, or the blocks are hashed already (their keys are
+        free). This chain does not hash them (it would if asked later).
+        """
+        stop = min(stop, len(self))
+        if not (0 < start < stop) or not self._inputs.plain:
+            return None
+        with self._lock:
+            have = len(self._keys)
+            if have < start or have >= stop:
+                return None
+            tpb, base = self._tpb, self._base
+            tokens = _token_bytes(self._tokens[start * tpb - base : stop * tpb - base])
+            return KeyRun(self._keys[start - 1], tokens, tpb)
 
     def extend(self, tokens: Sequence[int]) -> None:
         """Append ``tokens`` (those after the ones given so far).
@@ -703,6 +770,7 @@ __all__ = [
     "HASH_BYTES",
     "KEY_OVERHEAD",
     "KeyChain",
+    "KeyRun",
     "ModelIdentity",
     "MultimodalItem",
     "ROOT_HASH",
@@ -711,6 +779,7 @@ __all__ = [
     "block_key_under",
     "block_object_key",
     "block_object_keys",
+    "chain_from",
     "chain_hashes",
     "fingerprint_prefix",
     "hash_block",

@@ -382,6 +382,25 @@ def test_a_cold_prompt_asks_the_filter_one_key_not_a_pass_over_all(
     assert passes == []
 
 
+def test_a_cold_prompts_keys_past_the_claims_lookup_go_to_the_workers_unhashed(
+    hashed: list[int],
+) -> None:
+    core = core_for(make_store(MemoryBackend()))
+    prompt = list(range(1000, 1000 + 100 * TPB + 1))  # 100 full blocks
+    request = FakeRequest(1, prompt)
+    core.get_num_new_matched_tokens(view(request), 0)
+    blocks = list(range(101))
+    core.update_state_after_alloc(request.request_id, blocks)
+    meta = core.build_connector_meta([first_report(1, prompt, blocks, 0, len(prompt))], [])
+    assert sum(hashed) == KeyChain.STEP  # NOTE: only what the lookups asked for
+    wire = pickle.loads(pickle.dumps(meta))
+    assert wire.saves.unhashed == 100 - KeyChain.STEP
+    keys = chain_hashes(prompt, TPB)
+    assert [op.key for op in wire.saves] == keys[:100]
+    assert [op.parent for op in wire.saves] == [ROOT_HASH, *keys[:99]]
+    assert [op.block_id for op in wire.saves] == blocks[:100]
+
+
 def test_blocks_without_a_page_are_skipped_and_the_rest_keep_their_parents() -> None:
     core = core_for(make_store(MemoryBackend()))
     request = FakeRequest(1, PROMPT)

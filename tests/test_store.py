@@ -16,6 +16,7 @@ from s3kv.keys import ROOT_HASH, BlockHash, KeyChain, ModelIdentity, chain_hashe
 from s3kv.pool import IOPool
 from s3kv.staging import NumpyAllocator
 from s3kv.storage import MemoryBackend
+from s3kv import store as store_module
 from s3kv.store import KVStore, SaveStatus
 
 SHAPE = (2, 2, 4, 1, 8)  # layers, kv, tokens, heads, head_dim
@@ -533,7 +534,8 @@ def test_claim_hashes_a_lazy_chain_only_as_far_as_it_must(backend: MemoryBackend
     # NOTE: one hashing step, not a first filter query's worth of blocks: on a cold prompt
     # the walk would otherwise hash the prompt on an I/O thread while the engine's thread
     # plans the same request (they share the chain and the GIL).
-    assert lazy.hashed <= KeyChain.STEP, "the walk hashed past the run the manifest holds"
+    most = max(KeyChain.STEP, store_module._MAYBE_STEP)  # one lookup's chunk of keys
+    assert lazy.hashed <= most, "the walk hashed past the run the manifest holds"
     assert store.lookup(keys).staged == 3
     assert store.claim(KeyChain(tokens, 4)) == 3
 
@@ -563,11 +565,15 @@ def test_prefetch_many_stops_quietly_at_a_malformed_token(
     backend: MemoryBackend, caplog: pytest.LogCaptureFixture
 ) -> None:
     tokens = list(range(4 * 100))
-    tokens[4 * 80] = -1  # block 80 has no key; blocks 0..63 (one hashing step) do
+    tokens[4 * 80] = -1  # block 80 has no key; the hashing steps before its own do
+    hashed, step = 0, KeyChain.STEP
+    while hashed + step <= 80:  # NOTE: the lazy walk's steps double
+        hashed, step = hashed + step, min(2 * step, KeyChain.MAX_STEP)
     store = open_store(backend)
     with caplog.at_level(logging.DEBUG, logger="s3kv"):
         assert store.prefetch_many(KeyChain(tokens, 4)) == 100
-    assert store.metrics.value("prefetch_scheduled") == KeyChain.STEP
+    assert 0 < hashed < 80
+    assert store.metrics.value("prefetch_scheduled") == hashed
     assert "prefetch stopped" in caplog.text
     assert "background task failed" not in caplog.text
 

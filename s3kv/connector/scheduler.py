@@ -43,14 +43,15 @@ from s3kv.connector.completion import CompletionBoard
 from s3kv.connector.metadata import EMPTY, NO_SAVES, ConnectorMetadata, LoadOp, SaveOps
 from s3kv.connector.requests import RequestView, StepReport
 from s3kv.connector.shared import ShardStores
-from s3kv.keys import ROOT_HASH, BlockHash, KeyChain
+from s3kv.keys import ROOT_HASH, BlockHash, KeyChain, KeyRun
 
 logger = logging.getLogger(__name__)
 
-#: One request's planned saves: block ids, their keys and their chain parents.
-_PlannedSaves = tuple[list[int], list[bytes], list[bytes]]
-#: An iteration's planned saves: request ids, block ids, keys and chain parents.
-_SaveLists = tuple[list[int], list[int], list[bytes], list[bytes]]
+#: One request's planned saves: block ids, their keys and their chain parents (blocks in
+#: runs left out), and the runs whose keys the workers hash: (index among the blocks, run).
+_PlannedSaves = tuple[list[int], list[bytes], list[bytes], list[tuple[int, KeyRun]]]
+#: An iteration's planned saves: request ids, block ids, keys, chain parents and runs.
+_SaveLists = tuple[list[int], list[int], list[bytes], list[bytes], list[tuple[int, KeyRun]]]
 
 
 @dataclass
@@ -219,7 +220,7 @@ class SchedulerCore:
             if data.new_block_ids:
                 state.block_ids = list(data.new_block_ids)
             self._plan_loads(state)
-        planned: _SaveLists = ([], [], [], [])
+        planned: _SaveLists = ([], [], [], [], [])
         requests, step = self._requests, self._step
         for data in new_requests:
             state = requests.get(int(data.request_id))
@@ -240,11 +241,11 @@ class SchedulerCore:
             # NOTE: walks held in an iteration no forward pass followed (an empty batch);
             # this iteration's own wait for its forward pass.
             self.shards.start_walks(before=self._step)
-        request_ids, block_ids, keys, parents = planned
+        request_ids, block_ids, keys, parents, derived = planned
         if not block_ids:
             return self.take_metadata()
         return self.take_metadata(
-            SaveOps(request_ids, block_ids, b"".join(keys), b"".join(parents))
+            SaveOps(request_ids, block_ids, b"".join(keys), b"".join(parents), derived)
         )
 
     def _collect_saves(
@@ -253,14 +254,15 @@ class SchedulerCore:
         """Append ``state``'s saves for this report to ``planned``; a failure costs only
         this request's saves."""
         try:
-            blocks, keys, parents = self._plan_request_saves(state, data, first=first)
+            blocks, keys, parents, derived = self._plan_request_saves(state, data, first=first)
         except Exception:  # NOTE: isolated: only this request's saves are lost
             logger.exception("s3kv: save planning failed for request %d", state.request_id)
             state.key_inputs = None  # stop planning saves for it
             state.saves_done = True
             self._metric("connector_save_planning_errors")
             return
-        request_ids, block_ids, all_keys, all_parents = planned
+        request_ids, block_ids, all_keys, all_parents, all_derived = planned
+        all_derived.extend((len(block_ids) + index, run) for index, run in derived)
         request_ids.extend([state.request_id] * len(blocks))
         block_ids.extend(blocks)
         all_keys.extend(keys)
@@ -327,9 +329,9 @@ class SchedulerCore:
         shards = self.shards
         if state.key_inputs is None:
             state.saves_done = True
-            return [], [], []
+            return [], [], [], []
         if shards is None or not shards.healthy:
-            return [], [], []
+            return [], [], [], []
         tpb = self.tokens_per_block
         limit = valid_tokens // tpb
         decode = self.config.save_decode_blocks
@@ -342,29 +344,26 @@ class SchedulerCore:
             state.keys.extend(state.tokens[state.keys.num_tokens :])
         first = state.saved_blocks
         if limit <= first:
-            return [], [], []
-        # NOTE: the keys of these blocks and of the one before (a parent) in one call. Keys
-        # chain, so a block after one the bucket lacks is saved without asking the filter:
-        # it exists only past a hole (a failed save), and writing it again is harmless. A
-        # cold prompt then costs one scalar lookup, not a filter pass over every key (0.3-0.6
-        # ms for 8K tokens on the engine's thread, before its forward pass).
-        before = 1 if first else 0
-        keys = state.keys.keys(first - before, limit)
-        start = first + shards.count_leading(keys[before:])
+            return [], [], [], []
+        # NOTE: keys chain, so a block after one the bucket lacks is saved without asking
+        # the filter: it exists only past a hole (a failed save), and writing it again is
+        # harmless. A cold prompt then costs one scalar lookup, not a filter pass over every
+        # key (0.3-0.6 ms for 8K tokens on the engine's thread, before its forward pass), and
+        # its keys are hashed only as far as that lookup needed: the rest travel as runs the
+        # workers hash (SaveOps).
+        chain = state.keys
+        start = first + shards.count_leading(chain[first:limit])
         claim_lo, claim_hi = state.claim_start, state.claim_start + len(state.claimed)
-        runs = [(start, limit)]
+        spans = [(start, limit)]
         if claim_lo < claim_hi:  # NOTE: claimed blocks are loaded, not saved
-            runs = [(start, min(limit, claim_lo)), (max(start, claim_hi), limit)]
-        chosen: list[int] = []
-        chosen_keys: list[bytes] = []
-        chosen_parents: list[bytes] = []
-        for lo, hi in runs:
+            spans = [(start, min(limit, claim_lo)), (max(start, claim_hi), limit)]
+        planned: _PlannedSaves = ([], [], [], [])
+        for lo, hi in spans:
             if lo < hi:
-                at = before - first  # keys[b + at] is block b's key
-                _append_run(state.block_ids, keys, lo, hi, at, chosen, chosen_keys, chosen_parents)
+                _plan_span(chain, state.block_ids, lo, hi, planned)
         state.saved_blocks = limit
-        state.saves_planned += len(chosen)
-        return chosen, chosen_keys, chosen_parents
+        state.saves_planned += len(planned[0])
+        return planned
 
     # --- pins ---
 
@@ -442,34 +441,35 @@ class SchedulerCore:
 _SAMPLE_TOKENS = 64
 
 
-def _append_run(
-    block_ids: Sequence[int],
-    keys: Sequence[bytes],
-    lo: int,
-    hi: int,
-    at: int,
-    chosen: list[int],
-    chosen_keys: list[bytes],
-    chosen_parents: list[bytes],
+def _plan_span(
+    chain: KeyChain, block_ids: Sequence[int], lo: int, hi: int, planned: _PlannedSaves
 ) -> None:
-    """Append blocks ``lo .. hi - 1`` (``keys[b + at]`` is block ``b``'s key, and the key
-    before it its parent), skipping blocks without a page (BAD_PAGE_INDEX: out of a
-    sliding window)."""
+    """Append the saves of blocks ``lo .. hi - 1`` to ``planned``: keys hashed already go as
+    keys, the rest as one run the workers hash. Blocks without a page (BAD_PAGE_INDEX: out
+    of a sliding window) are skipped, and their span is hashed here."""
+    chosen, keys, parents, derived = planned
     ids = block_ids[lo:hi]
-    if min(ids) >= 0:  # NOTE: the common case in three slices: no Python loop per block
-        chosen.extend(ids)
-        chosen_keys.extend(keys[lo + at : hi + at])
-        if lo:
-            chosen_parents.extend(keys[lo + at - 1 : hi + at - 1])
-        else:
-            chosen_parents.append(ROOT_HASH)
-            chosen_parents.extend(keys[at : hi + at - 1])
+    if min(ids) < 0:
+        span = chain.keys(max(0, lo - 1), hi)
+        at = 1 if lo else 0  # NOTE: span[b - lo + at] is block b's key
+        for b, block_id in enumerate(ids, lo):
+            if block_id >= 0:
+                chosen.append(block_id)
+                keys.append(span[b - lo + at])
+                parents.append(span[b - lo + at - 1] if b else ROOT_HASH)
         return
-    for b, block_id in enumerate(ids, lo):
-        if block_id >= 0:
-            chosen.append(block_id)
-            chosen_keys.append(keys[b + at])
-            chosen_parents.append(keys[b + at - 1] if b else ROOT_HASH)
+    split = max(lo, min(hi, chain.hashed))
+    run = chain.run_of(split, hi) if split < hi else None
+    known_hi = split if run is not None else hi
+    if known_hi > lo:  # NOTE: three slices, no Python loop per block
+        span = chain.keys(max(0, lo - 1), known_hi)
+        at = 1 if lo else 0
+        keys.extend(span[at:])
+        parents.extend(span[: len(span) - 1] if lo else [ROOT_HASH, *span[:-1]])
+        chosen.extend(ids[: known_hi - lo])
+    if run is not None:
+        derived.append((len(chosen), run))
+        chosen.extend(ids[known_hi - lo :])
 
 
 def _sample(prompt: Sequence[int]) -> tuple[int, ...]:
