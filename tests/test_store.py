@@ -10,13 +10,13 @@ from collections.abc import Callable, Iterator
 import numpy as np
 import pytest
 
+from s3kv import store as store_module
 from s3kv.config import S3KVConfig
 from s3kv.errors import EndpointError
 from s3kv.keys import ROOT_HASH, BlockHash, KeyChain, ModelIdentity, chain_hashes
 from s3kv.pool import IOPool
 from s3kv.staging import NumpyAllocator
 from s3kv.storage import MemoryBackend
-from s3kv import store as store_module
 from s3kv.store import KVStore, SaveStatus
 
 SHAPE = (2, 2, 4, 1, 8)  # layers, kv, tokens, heads, head_dim
