@@ -27,6 +27,7 @@ from s3kv.connector.metadata import ConnectorMetadata, SaveOp, SaveOps
 from s3kv.connector.worker import WorkerCore
 from s3kv.metrics import Metrics
 from tests.test_connector_layer_load import FakeEvent
+from tests.test_store import wait_until
 
 LAYERS, ELEMS = 2, 16
 
@@ -350,15 +351,6 @@ def test_buffers_released_out_of_order_come_back_lowest_slots_first() -> None:
         arena.close()
 
 
-def _until(condition: Callable[[], bool], timeout: float = 10.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.005)
-    return True
-
-
 def test_an_idle_engine_still_gets_its_last_copies_saved_and_reported_at_its_next_call() -> None:
     # NOTE: TensorRT-LLM calls get_finished once after a request's last forward pass, then
     # blocks on its request queue: the idle saver must queue and hand over what waits.
@@ -367,9 +359,9 @@ def test_an_idle_engine_still_gets_its_last_copies_saved_and_reported_at_its_nex
     try:
         core.save_after_forward(saves(1, [2, 5]), stream=None)
         assert core.finished([1]) == []  # the one call: its copies wait for the next
-        assert _until(lambda: engine.queued == [2]), "the idle saver never queued them"
+        assert wait_until(lambda: engine.queued == [2]), "the idle saver never queued them"
         engine.events[0].done = True
-        assert _until(lambda: len(store.saved) == 2), "completed copies never reached the store"
+        assert wait_until(lambda: len(store.saved) == 2), "completed copies never reached the store"
         assert store.saved[bytes([1, 5]) * 8] == pool[5].view(torch.uint8).numpy().tobytes()
         assert store.metrics.value("connector_saves_queued_idle") == 2
         assert core.finished([]) == [1]  # reported by the engine's next call, once
