@@ -23,7 +23,8 @@ Saving costs are measured in the writer on one model with two executors, one wit
 connector and one without, trial by trial: cold TTFT of ``P + S1`` and the decode step time
 (``gpu.save_overhead_pct``, target <= 3 %). Each trial runs both executors back to back (in
 alternating order), ``--cold-repeats`` cold prompts each, taking turns; the prefill figure is
-the median over trials of each trial's ratio of the executors' quickest cold TTFT. The
+the median over trials of each trial's ratio of the executors' quickest cold TTFT (the
+decode figure: of each trial's decode step times, one cold prompt each). The
 device host's load drifts by ±10-40% between trials and bursts within one (the plain
 executor's cold TTFT of one run moved between 21.9 and 36.9 ms), which a ratio of the two
 medians of single prompts carried whole. That ratio of medians is kept in each row as

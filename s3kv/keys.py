@@ -475,9 +475,9 @@ class KeyChain(Sequence[BlockHash]):
             return None
         with self._lock:
             have = len(self._keys)
-            if have < start or have >= stop:
-                return None
             tpb, base = self._tpb, self._base
+            if have < start or have >= stop or start * tpb < base:  # NOTE: tokens dropped
+                return None
             tokens = _token_bytes(self._tokens[start * tpb - base : stop * tpb - base])
             return KeyRun(self._keys[start - 1], tokens, tpb)
 

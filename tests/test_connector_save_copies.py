@@ -380,3 +380,23 @@ def test_no_idle_saver_where_copies_must_be_queued_on_the_engines_thread() -> No
         assert core._idle_saver is None
     finally:
         core.close()
+
+
+def test_keys_that_cannot_be_hashed_lose_their_saves_never_the_request_or_buffers(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from s3kv.keys import KeyRun
+
+    core, engine, store, _ = worker()
+    monkeypatch.setattr(worker_module, "SAVE_COPY_BYTES", 1)  # NOTE: splits hash the keys
+    monkeypatch.setattr(KeyRun, "keys", lambda self: 1 / 0)
+    tokens = bytes(4 * 4 * 6)  # six blocks of four tokens whose keys travel unhashed
+    ops = SaveOps(
+        [7] * 8, list(range(8)), bytes(32), bytes(32), [(2, KeyRun(bytes(16), tokens, 4))]
+    )
+    core.save_after_forward(ConnectorMetadata(saves=ops), stream=None)
+    assert core.finished([7]) == []
+    assert core.finished([]) == [7]  # NOTE: dropped, counted, reported
+    assert engine.queued == []
+    assert store.metrics.value("connector_save_errors") == 8
+    assert len(core._buffers._free) == 8  # NOTE: every buffer back in the pool

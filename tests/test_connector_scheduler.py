@@ -413,6 +413,17 @@ def test_blocks_without_a_page_are_skipped_and_the_rest_keep_their_parents() -> 
     ]  # fmt: skip
 
 
+def test_a_sliding_windows_saved_blocks_are_not_saved_again_behind_its_pageless_ones() -> None:
+    backend = MemoryBackend()
+    put_chain_without(make_store(backend), PROMPT, 4, hole=0)  # block 0: never a page
+    core = core_for(make_store(backend))
+    request = FakeRequest(1, PROMPT)
+    core.get_num_new_matched_tokens(view(request), 0)
+    core.update_state_after_alloc(request.request_id, [-1, 6, 7, 8, 9])
+    meta = core.build_connector_meta([first_report(1, PROMPT, [-1, 6, 7, 8, 9], 0, 17)], [])
+    assert meta.saves == ()  # NOTE: blocks 1-3 are in the bucket; block 0 cannot be saved
+
+
 def test_pins_are_held_until_every_rank_reports_the_copies_completed() -> None:
     # Defect 1 (overlap scheduler): the next scheduler step is no proof that the device
     # copies of this step's loads have run; only the completion board is.

@@ -75,7 +75,7 @@ class SaveOps(Sequence[SaveOp]):
         ValueError: The columns disagree in length, or a run does not fit among the blocks.
     """
 
-    __slots__ = ("_derived", "_keys", "_parents", "block_ids", "request_ids")
+    __slots__ = ("_columns", "block_ids", "request_ids")
 
     def __init__(
         self,
@@ -102,56 +102,37 @@ class SaveOps(Sequence[SaveOp]):
             raise ValueError(f"saves: runs of keys reach block {at} of {n}")
         object.__setattr__(self, "request_ids", tuple(request_ids))
         object.__setattr__(self, "block_ids", tuple(block_ids))
-        object.__setattr__(self, "_keys", bytes(keys))
-        object.__setattr__(self, "_parents", bytes(parents))
-        object.__setattr__(self, "_derived", tuple(derived))
+        object.__setattr__(self, "_columns", (bytes(keys), bytes(parents), tuple(derived)))
 
     request_ids: tuple[int, ...]
     block_ids: tuple[int, ...]
-    _keys: bytes
-    _parents: bytes
-    _derived: tuple[tuple[int, KeyRun], ...]
+    # NOTE: (keys, parents, runs) in one slot, replaced whole once the runs are hashed: a
+    # reader on another thread sees the columns before or after, never half of each.
+    _columns: tuple[bytes, bytes, tuple[tuple[int, KeyRun], ...]]
 
     @property
     def keys(self) -> bytes:
         """The blocks' hashes, concatenated (runs hashed now, once)."""
-        if self._derived:
-            self._derive()
-        return self._keys
+        return self._hashed()[0]
 
     @property
     def parents(self) -> bytes:
         """Their chain parents, concatenated likewise."""
-        if self._derived:
-            self._derive()
-        return self._parents
+        return self._hashed()[1]
 
     @property
     def unhashed(self) -> int:
         """Blocks whose keys are still to be hashed (runs not read yet)."""
-        return sum(run.blocks for _, run in self._derived)
+        return sum(run.blocks for _, run in self._columns[2])
 
-    def _derive(self) -> None:
-        """Hash the runs' keys into the columns (the object is immutable from outside)."""
-        keys, parents = self._keys, self._parents
-        out_keys: list[bytes] = []
-        out_parents: list[bytes] = []
-        at = taken = 0  # NOTE: the next block, and the bytes of the given columns used
-        for index, run in self._derived:
-            given = (index - at) * HASH_BYTES
-            out_keys.append(keys[taken : taken + given])
-            out_parents.append(parents[taken : taken + given])
-            taken += given
-            hashed = run.keys()
-            out_keys.extend(hashed)
-            out_parents.append(run.parent)
-            out_parents.extend(hashed[:-1])
-            at = index + len(hashed)
-        out_keys.append(keys[taken:])
-        out_parents.append(parents[taken:])
-        object.__setattr__(self, "_keys", b"".join(out_keys))
-        object.__setattr__(self, "_parents", b"".join(out_parents))
-        object.__setattr__(self, "_derived", ())
+    def _hashed(self) -> tuple[bytes, bytes, tuple[tuple[int, KeyRun], ...]]:
+        """The columns with every run hashed into them (the object is immutable from
+        outside; hashing only fills in what it already describes)."""
+        columns = self._columns
+        if columns[2]:
+            columns = _hash_runs(*columns)
+            object.__setattr__(self, "_columns", columns)
+        return columns
 
     def __setattr__(self, name: str, value: object) -> None:
         raise AttributeError(f"SaveOps is immutable: cannot set {name}")
@@ -236,7 +217,7 @@ class SaveOps(Sequence[SaveOp]):
         # NOTE: runs travel unhashed: the receiver hashes them when it reads the keys
         return (
             SaveOps,
-            (self.request_ids, self.block_ids, self._keys, self._parents, self._derived),
+            (self.request_ids, self.block_ids, *self._columns),
         )
 
     def __repr__(self) -> str:
@@ -244,6 +225,28 @@ class SaveOps(Sequence[SaveOp]):
 
 
 NO_SAVES = SaveOps()
+
+
+def _hash_runs(
+    keys: bytes, parents: bytes, derived: tuple[tuple[int, KeyRun], ...]
+) -> tuple[bytes, bytes, tuple[tuple[int, KeyRun], ...]]:
+    """The columns with the runs' keys hashed in, in block order."""
+    out_keys: list[bytes] = []
+    out_parents: list[bytes] = []
+    at = taken = 0  # NOTE: the next block, and the bytes of the given columns used
+    for index, run in derived:
+        given = (index - at) * HASH_BYTES
+        out_keys.append(keys[taken : taken + given])
+        out_parents.append(parents[taken : taken + given])
+        taken += given
+        hashed = run.keys()
+        out_keys.extend(hashed)
+        out_parents.append(run.parent)
+        out_parents.extend(hashed[:-1])
+        at = index + len(hashed)
+    out_keys.append(keys[taken:])
+    out_parents.append(parents[taken:])
+    return b"".join(out_keys), b"".join(out_parents), ()
 
 
 def _split(column: bytes) -> list[bytes]:

@@ -10,11 +10,14 @@ Contracts (DESIGN.md invariants 1-3):
 * Its cost does not grow with the prompt beyond the blocks it must hash (the device match and
   the staged run): a request's keys are a :class:`~s3kv.keys.KeyChain` hashed on demand and
   kept until ``request_finished`` (the engine asks again for a request it did not schedule;
-  the save path reuses them), and the tail goes to the I/O side in one step, which hashes
+  the save path reuses those hashed and sends the rest unhashed, as
+  :class:`~s3kv.keys.KeyRun` s the workers hash), and the tail goes to the I/O side in one
+  step, which hashes
   and filters it there (:meth:`KVStore.prefetch_many <s3kv.store.KVStore.prefetch_many>`).
 * Metadata carries only new work: loads for this iteration's claims and saves for blocks
   that become full in this iteration's forward pass (prompt blocks always, decode blocks if
-  ``save_decode_blocks``), skipping blocks the bucket already has.
+  ``save_decode_blocks``), skipping the leading run of blocks the bucket already has (in a
+  span with blocks that have no page, every block it has).
 * While the store is unhealthy (circuit breaker open) it claims nothing and plans no saves.
 
 Pins are released only once every rank has reported, on the completion board, that the
@@ -360,7 +363,7 @@ class SchedulerCore:
         planned: _PlannedSaves = ([], [], [], [])
         for lo, hi in spans:
             if lo < hi:
-                _plan_span(chain, state.block_ids, lo, hi, planned)
+                _plan_span(chain, state.block_ids, lo, hi, planned, shards)
         state.saved_blocks = limit
         state.saves_planned += len(planned[0])
         return planned
@@ -442,18 +445,28 @@ _SAMPLE_TOKENS = 64
 
 
 def _plan_span(
-    chain: KeyChain, block_ids: Sequence[int], lo: int, hi: int, planned: _PlannedSaves
+    chain: KeyChain,
+    block_ids: Sequence[int],
+    lo: int,
+    hi: int,
+    planned: _PlannedSaves,
+    shards: ShardStores,
 ) -> None:
     """Append the saves of blocks ``lo .. hi - 1`` to ``planned``: keys hashed already go as
-    keys, the rest as one run the workers hash. Blocks without a page (BAD_PAGE_INDEX: out
-    of a sliding window) are skipped, and their span is hashed here."""
+    keys, the rest as one run the workers hash.
+
+    Blocks without a page (BAD_PAGE_INDEX: out of a sliding window) are skipped; such a
+    span is hashed here and each block is asked of the filter: a window's leading blocks
+    are never saved, so the blocks after them must not count as past a hole.
+    """
     chosen, keys, parents, derived = planned
     ids = block_ids[lo:hi]
     if min(ids) < 0:
         span = chain.keys(max(0, lo - 1), hi)
         at = 1 if lo else 0  # NOTE: span[b - lo + at] is block b's key
+        present = shards.contains_many(span[at:]).tolist()
         for b, block_id in enumerate(ids, lo):
-            if block_id >= 0:
+            if block_id >= 0 and not present[b - lo]:
                 chosen.append(block_id)
                 keys.append(span[b - lo + at])
                 parents.append(span[b - lo + at - 1] if b else ROOT_HASH)

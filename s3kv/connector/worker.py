@@ -28,6 +28,7 @@ Contracts:
 
 from __future__ import annotations
 
+import atexit
 import bisect
 import logging
 import operator
@@ -361,6 +362,7 @@ class WorkerCore:
         decoder/runner.py`` @``fcc4432b``); the scheduler marks those loads to be awaited
         whole (``ConnectorMetadata.whole_loads``).
         """
+        self._last_call = time.monotonic()
         engine = self._engine_for(self._stream)
         if self._unawaited:
             logger.warning(
@@ -386,6 +388,7 @@ class WorkerCore:
         torch.cuda.stream(self.execution_stream)`` (``py_executor.py``, the 155 kB stored
         version): ``stream`` is the one the layer's kernels are queued on.
         """
+        self._last_call = time.monotonic()  # NOTE: a forward pass is being queued: not idle
         self._hooked.add(layer)
         if not self._unawaited:
             return
@@ -575,12 +578,15 @@ class WorkerCore:
             target=self._idle_saves, name=f"s3kv-idle-saver-{self.rank}", daemon=True
         )
         self._idle_saver.start()
+        atexit.register(self.close)  # NOTE: not inside torch or the store at interpreter exit
 
     def _idle_saves(self) -> None:
         """While the engine makes no call for :data:`IDLE_SAVE_AFTER_S`: queue what waits and
         hand completed copies to the store (:meth:`save_while_idle`)."""
         after = self._idle_save_after
         assert after is not None
+        if self.cuda:  # NOTE: this rank's device, not device 0, for the thread's CUDA calls
+            _torch().cuda.set_device(self.kv_cache.device)
         poll = min(max(after / 4, 0.001), 0.05)
         while not self._closing.wait(poll):
             if not (self._unissued or self._pending):
@@ -609,10 +615,11 @@ class WorkerCore:
                 self.store.metrics.inc("connector_saves_queued_idle", waiting)
 
     def close(self) -> None:
-        """Stop the idle saver (copies still waiting stay for :meth:`flush`)."""
+        """Stop the idle saver (copies still waiting stay for :meth:`flush`). Idempotent."""
         self._closing.set()
-        if self._idle_saver is not None:
-            self._idle_saver.join(timeout=5.0)
+        saver = self._idle_saver
+        if saver is not None and saver is not threading.current_thread():
+            saver.join(timeout=5.0)
 
     def _issue(self, *, everything: bool = False) -> None:
         """Queue the planned copies, oldest first. A copy that cannot be planned or queued
@@ -631,11 +638,15 @@ class WorkerCore:
         while self._unissued and budget > 0 and (everything or not self._unissued[0].fresh):
             batch = self._unissued.pop(0)
             if len(batch.ops) > budget:  # NOTE: the rest goes back to the head of the queue
-                rest = _Unissued(
-                    batch.ops[budget:], batch.buffers[budget:], batch.stream, fresh=False
-                )
+                try:  # NOTE: slicing hashes the keys that travelled unhashed (KeyRun)
+                    rest_ops, ops = batch.ops[budget:], batch.ops[:budget]
+                except Exception:
+                    logger.exception("s3kv: hashing the keys of a pass's saves failed")
+                    self._drop(batch, queued=False)
+                    continue
+                rest = _Unissued(rest_ops, batch.buffers[budget:], batch.stream, fresh=False)
                 self._unissued.insert(0, rest)
-                batch = _Unissued(batch.ops[:budget], batch.buffers[:budget], batch.stream)
+                batch = _Unissued(ops, batch.buffers[:budget], batch.stream)
             budget -= len(batch.ops)
             self._queue(batch)
 
@@ -745,10 +756,17 @@ class WorkerCore:
     def _hand_to_store(self, ops: SaveOps, buffers: Sequence[Any]) -> None:
         """One forward pass's copied blocks to the store, in one call."""
         release, array = self._buffers.release, self._buffers.array
-        try:
+        try:  # NOTE: hashes the keys that travelled unhashed (KeyRun), if no split did
             # NOTE: BlockHash is a NewType: the lists are already what the store takes.
             keys = cast(list[BlockHash], ops.key_list())
             parents = cast(list[BlockHash], ops.parent_list())
+        except Exception:  # NOTE: no buffer reached the store: all go back to the pool
+            logger.exception("s3kv: hashing the keys of %d saved block(s) failed", len(ops))
+            self.store.metrics.inc("connector_save_errors", len(ops))
+            for buffer in buffers:
+                release(buffer)
+            return
+        try:
             blocks = [
                 (key, parent, array(buffer), partial(release, buffer))
                 for key, parent, buffer in zip(keys, parents, buffers, strict=True)
