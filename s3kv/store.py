@@ -514,11 +514,10 @@ class KVStore:
         # malformed block raises before any pin is taken, never half-way through pinning.
         staged = list(keys[: self.staging.count_leading(keys)])
         pinned = self.pin_leading(staged)
-        # NOTE: a walk is queued only if the manifest may hold the next block (one scalar
-        # lookup, its key already hashed): a cold prompt's walk would find nothing, after
-        # taking the GIL from the engine's thread while it queues the forward pass.
-        if pinned < len(keys) and self.manifest.may_contain(keys[pinned]):
-            self.prefetch_many(keys[pinned:], maybe_only=True, hold=hold_prefetch)
+        # NOTE: queued even where the manifest lacks the next block now: it may not be
+        # loaded yet (a store still opening), and the walk asks it later, with one scalar
+        # lookup for a cold prompt (KeyFilter.count_leading).
+        self.prefetch_many(keys[pinned:], maybe_only=True, hold=hold_prefetch)
         self.record_hits(staged[:pinned])
         return pinned
 

@@ -166,13 +166,6 @@ def test_a_prefetch_no_forward_pass_started_is_started_by_the_next_iteration() -
     assert core.shards.held_walks == 0
 
 
-def test_a_cold_prompt_queues_no_prefetch_walk() -> None:
-    core = core_for(make_store(MemoryBackend()))
-    assert core.get_num_new_matched_tokens(view(FakeRequest(1, PROMPT)), 0) == 0
-    assert core.shards is not None
-    assert core.shards.held_walks == 0  # NOTE: the manifest lacks its first block
-
-
 def test_claims_every_iteration_without_a_forward_pass_never_pile_up_walks() -> None:
     backend = MemoryBackend()
     put_blocks(make_store(backend), PROMPT, 4)
