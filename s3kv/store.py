@@ -560,10 +560,6 @@ class KVStore:
         """Whether the bucket may hold ``key`` (false positives possible; no network)."""
         return self.manifest.may_contain(key)
 
-    def count_leading(self, keys: Sequence[BlockHash]) -> int:
-        """Length of the leading run of ``keys`` that :meth:`may_contain` (no network)."""
-        return self.manifest.count_leading(keys)
-
     def contains_many(self, keys: Sequence[BlockHash]) -> npt.NDArray[np.bool_]:
         """:meth:`may_contain` for each of ``keys``, in one vectorized filter pass (a
         per-key check costs tens of microseconds: a prompt's worth is milliseconds)."""

@@ -293,17 +293,25 @@ def test_a_share_whose_copies_cannot_be_planned_loses_its_saves_never_its_reques
     assert "dropping the saves of 64 block(s)" in caplog.text
 
 
+def _first_share_queued(
+    monkeypatch: pytest.MonkeyPatch, blocks: int
+) -> tuple[WorkerCore, DeferringEngine, Store]:
+    """A pass of ``blocks`` saves of request 1 in shares of 64, its first share queued."""
+    core, engine, store, _ = worker(num_blocks=300)
+    monkeypatch.setattr(worker_module, "SAVE_COPY_BYTES", 64 * core.block_nbytes)
+    core.save_after_forward(saves(1, list(range(blocks))), stream=None)
+    core.finished([1])
+    core.finished([])
+    assert engine.queued == [64]
+    return core, engine, store
+
+
 def test_short_of_buffers_the_waiting_copies_are_queued_at_once(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """Copies waiting for their share hold their buffers; when a pass finds too few, every
     waiting copy is queued so that its buffers come back as soon as possible."""
-    core, engine, _, _ = worker(num_blocks=300)
-    monkeypatch.setattr(worker_module, "SAVE_COPY_BYTES", 64 * core.block_nbytes)
-    core.save_after_forward(saves(1, list(range(256))), stream=None)
-    core.finished([1])
-    core.finished([])
-    assert engine.queued == [64]
+    core, engine, _ = _first_share_queued(monkeypatch, 256)
     monkeypatch.setattr(core._buffers, "acquire_many", lambda n: [])
     core.save_after_forward(saves(2, [250, 251]), stream=None)
     assert engine.queued == [64, 192]
@@ -315,12 +323,7 @@ def test_a_split_passs_rest_is_queued_first_when_the_engine_then_skips_get_finis
     """The rest of a pass cut by a share goes back to the head of the queue, ready: an engine
     that then skips get_finished gets it queued at the next wait_for_save, before any later
     pass's copies (oldest first)."""
-    core, engine, store, _ = worker(num_blocks=300)
-    monkeypatch.setattr(worker_module, "SAVE_COPY_BYTES", 64 * core.block_nbytes)
-    core.save_after_forward(saves(1, list(range(128))), stream=None)
-    core.finished([1])
-    core.finished([])
-    assert engine.queued == [64]
+    core, engine, store = _first_share_queued(monkeypatch, 128)
     core.save_after_forward(saves(2, [200]), stream=None)
     core.save_after_forward(saves(3, [201]), stream=None)  # NOTE: no get_finished between
     assert engine.queued == [64, 64]

@@ -434,7 +434,7 @@ class ShardStores:
         """Length of the leading run of ``keys`` that :meth:`may_contain` on every shard."""
         run = len(keys)
         for store in self.stores:
-            run = store.count_leading(keys[:run])
+            run = store.count_maybe(keys[:run])
             if not run:
                 break
         return run
