@@ -64,6 +64,8 @@ ZSTD_CHUNK: Final = 4 * 1024 * 1024
 PROBE: Final = 16 * 1024
 #: The multiplier that moves a high byte into place (a 0-d array: numpy's cheapest call).
 _HIGH: Final = np.array(256, np.uint16)
+#: The high byte less its top (sign) bit.
+_EXPONENT_BITS: Final = np.array(0x7F, np.uint8)
 
 
 class SectionCodec(enum.IntEnum):
@@ -253,3 +255,177 @@ def decode_planes(sections: tuple[Section, ...], src: U8, at: int, target: U8, h
             np.bitwise_or(part, low_plane, out=part)
         hasher.update(target[2 * pos : 2 * (pos + size)].data)
         pos += size
+
+
+class RefGeometry(NamedTuple):
+    """Channel geometry of a ``(layers, 2, heads, tokens, head_dim)`` block (PLANES_REF)."""
+
+    layers: int
+    heads: int
+    tokens: int
+    head_dim: int
+
+    @property
+    def channels(self) -> int:
+        """(K/V, layer, head) rows of ``tokens x head_dim`` elements."""
+        return 2 * self.layers * self.heads
+
+    @property
+    def refs(self) -> int:
+        """Bytes of the reference plane: one per channel and dim."""
+        return self.channels * self.head_dim
+
+
+def ref_geometry(shape: tuple[int, ...]) -> RefGeometry | None:
+    """The geometry of a 5-D ``(layers, 2, heads, tokens, head_dim)`` shape, or None for
+    any other rank, a K/V axis other than 2, a zero size or fewer than 2 tokens."""
+    if len(shape) != 5 or shape[1] != 2 or min(shape) < 1 or shape[3] < 2:
+        return None
+    layers, _, heads, tokens, head_dim = shape
+    return RefGeometry(layers, heads, tokens, head_dim)
+
+
+def _ref_planes(geometry: RefGeometry) -> tuple[int, int, int, int]:
+    """Bytes of the PLANES_REF planes, in payload order: K residuals, V residuals, refs, low."""
+    half = geometry.channels * geometry.tokens * geometry.head_dim // 2
+    return half, half, geometry.refs, 2 * half
+
+
+def ref_section_count(geometry: RefGeometry, chunk_len: int) -> int:
+    """Sections of a PLANES_REF object: each plane in pieces of ``chunk_len // 2`` bytes."""
+    piece = chunk_len // 2
+    return sum(-(-n // piece) for n in _ref_planes(geometry))
+
+
+def ref_raw_lengths(geometry: RefGeometry, chunk_len: int) -> list[int]:
+    """Raw length of every section of a PLANES_REF object, in payload order."""
+    piece = chunk_len // 2
+    lengths = []
+    for n in _ref_planes(geometry):
+        lengths.extend(min(piece, n - start) for start in range(0, n, piece))
+    return lengths
+
+
+def encode_ref(data: U8, geometry: RefGeometry, hasher: Any) -> Layout | None:
+    """16-bit elements as exponent-residual and low byte planes (PLANES_REF).
+
+    The high byte of every element (bf16: sign and 7 exponent bits) is subtracted, mod 256,
+    from its channel's reference: the largest high byte over the block's tokens of that
+    (layer, K/V, head, dim). K and V residuals, then the references, are Huffman-coded in
+    pieces of ``PLANE_CHUNK // 2`` bytes; the low bytes follow, stored raw unless a probe
+    shows they compress. Feeds every raw byte to ``hasher``. Returns None when the payload
+    would not be smaller than the raw bytes. The layout's one piece is the calling thread's
+    payload scratch: copy it before the thread encodes again.
+    """
+    st = _zstd.local()
+    hasher.update(data.data)
+    words = data.view("<u2")
+    n = words.size
+    g = geometry
+    residuals = st.scratch("residuals", n)
+    refs = st.scratch("refs", g.refs)
+    # NOTE: the high bytes land K first, then V (the K/V axis outermost): each is one
+    # distribution, and each gets its own Huffman tables.
+    split = residuals[:n].reshape(2, g.layers, -1)
+    np.right_shift(words.reshape(g.layers, 2, -1).transpose(1, 0, 2), 8, out=split, casting="unsafe")
+    rows = residuals[:n].reshape(g.channels, g.tokens, g.head_dim)
+    ref_rows = refs[: g.refs].reshape(g.channels, 1, g.head_dim)
+    # NOTE: the reference leaves the sign bit out (the largest exponent bits): a residual
+    # is then (reference - exponent bits) with the sign in bit 7 (1.4735 vs 1.461 unmasked).
+    masked = st.scratch("masked", n)[:n].reshape(rows.shape)
+    np.bitwise_and(rows, _EXPONENT_BITS, out=masked)
+    _token_max(masked, ref_rows)
+    np.subtract(ref_rows, rows, out=rows)
+    piece = PLANE_CHUNK // 2
+    payload = st.payload(data.size + g.refs)
+    sections: list[tuple[SectionCodec, int]] = []
+    at = 0
+    half = n // 2
+    for plane, first, size in ((residuals, 0, half), (residuals, half, half), (refs, 0, g.refs)):
+        for start in range(first, first + size, piece):
+            m = min(piece, first + size - start)
+            at = _add_plane(st, plane[start:], m, payload, at, sections)
+    probe = min(n, piece, PROBE)
+    np.copyto(st.plane2[:probe], words[:probe], casting="unsafe")
+    if st.compresses(st.plane2, probe):
+        for start in range(0, n, piece):
+            m = min(piece, n - start)
+            np.copyto(st.plane2[:m], words[start : start + m], casting="unsafe")
+            at = _add_plane(st, st.plane2, m, payload, at, sections)
+    else:
+        np.copyto(payload[at : at + n], words, casting="unsafe")
+        sections.extend((SectionCodec.STORED, min(piece, n - s)) for s in range(0, n, piece))
+        at += n
+    if at >= data.size:
+        return None
+    body = payload[:at]
+    checksum = xxhash.xxh3_64(body.data).digest()
+    return Layout(2, PLANE_CHUNK, sections, [body.data], checksum)
+
+
+def _token_max(work: U8, out: U8) -> None:
+    """``out[c, 0, d] = max over t of work[c, t, d]``, clobbering ``work``: pairwise halving
+    in place, which numpy runs as wide vector ops (a reduce over the middle axis: 2x slower).
+    """
+    tokens = work.shape[1]
+    while tokens > 1:
+        keep, pairs = (tokens + 1) // 2, tokens // 2
+        np.maximum(work[:, :pairs], work[:, keep:tokens], out=work[:, :pairs])
+        tokens = keep
+    np.copyto(out, work[:, :1])
+
+
+def decode_ref(
+    sections: tuple[Section, ...],
+    geometry: RefGeometry,
+    chunk_len: int,
+    src: U8,
+    at: int,
+    target: U8,
+    hasher: Any,
+) -> None:
+    """Decode a PLANES_REF payload from ``src[at:]`` into ``target``, hashing the output.
+    ``sections`` are the header's (:func:`ref_raw_lengths` of ``geometry`` and ``chunk_len``).
+
+    Raises:
+        FrameError: A zstd section is corrupt or decodes to the wrong length.
+    """
+    st = _zstd.local()
+    g = geometry
+    words = target.view("<u2")
+    n = words.size
+    k, v, nrefs, _ = _ref_planes(g)
+    piece = chunk_len // 2
+    counts = (-(-k // piece) + -(-v // piece), -(-nrefs // piece))
+    residuals = st.scratch("residuals", n)
+    refs = st.scratch("refs", nrefs)
+    first = 0
+    for plane, count in zip((residuals, refs), counts, strict=True):
+        at = _decode_run(st, sections[first : first + count], src, at, plane)
+        first += count
+    lows = sections[first:]
+    low = src[at : at + n]
+    if any(s.codec is SectionCodec.ZSTD for s in lows):
+        low = st.scratch("low", n)
+        _decode_run(st, lows, src, at, low)
+    rows = residuals[:n].reshape(g.channels, g.tokens, g.head_dim)
+    np.subtract(refs[:nrefs].reshape(g.channels, 1, g.head_dim), rows, out=rows)
+    high = residuals[:n].reshape(2, g.layers, -1).transpose(1, 0, 2)
+    np.multiply(high, _HIGH, out=words.reshape(g.layers, 2, -1))
+    np.bitwise_or(words, low[:n], out=words)
+    hasher.update(target.data)
+
+
+def _decode_run(st: _zstd.ThreadZstd, sections: tuple[Section, ...], src: U8, at: int, dst: U8) -> int:
+    """Decode consecutive sections from ``src[at:]`` into ``dst`` back to back; returns
+    the offset in ``src`` after them."""
+    pos = 0
+    for section in sections:
+        piece = src[at : at + section.stored_len]
+        if section.codec is SectionCodec.ZSTD:
+            st.decompress_into(piece, dst[pos : pos + section.raw_len])
+        else:
+            dst[pos : pos + section.raw_len] = piece
+        at += section.stored_len
+        pos += section.raw_len
+    return at

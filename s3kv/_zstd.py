@@ -71,7 +71,8 @@ class ThreadZstd:
 
     Memory: ``PLANE_GROUP`` + 2 x ``MAX_ENTROPY_CHUNK`` of scratch plus the zstd contexts
     (~1 MiB at level 1), per thread that ever encoded or decoded; a thread that encoded also
-    keeps a payload scratch the size of its largest object (up to ``MAX_KEPT_PAYLOAD``).
+    keeps a payload scratch the size of its largest object (up to ``MAX_KEPT_PAYLOAD``), and
+    one that used PLANES_REF its named scratch planes (up to the same bound each).
     """
 
     def __init__(self) -> None:
@@ -80,6 +81,7 @@ class ThreadZstd:
         #: One plane of one chunk, plus libzstd's slack.
         self.plane2: U8 = np.empty(MAX_ENTROPY_CHUNK + _LITERAL_SLACK, np.uint8)
         self._payload: U8 = np.empty(0, np.uint8)
+        self._scratch: dict[str, U8] = {}
         self._probe_dst: U8 = np.empty(FRAME_BOUND, np.uint8)
         self._compressors: dict[int, zstandard.ZstdCompressor] = {}
         self._decompressor = zstandard.ZstdDecompressor()
@@ -106,6 +108,17 @@ class ThreadZstd:
         if need <= MAX_KEPT_PAYLOAD:
             self._payload = scratch
         return scratch
+
+    def scratch(self, name: str, size: int) -> U8:
+        """A buffer of at least ``size`` bytes plus libzstd's slack, reused by the thread's
+        next call that asks for ``name`` (kept up to ``MAX_KEPT_PAYLOAD`` bytes)."""
+        kept = self._scratch.get(name)
+        if kept is not None and kept.size >= size + _LITERAL_SLACK:
+            return kept
+        buffer = np.empty(size + _LITERAL_SLACK, np.uint8)
+        if size <= MAX_KEPT_PAYLOAD:
+            self._scratch[name] = buffer
+        return buffer
 
     def entropy_frame_into(self, plane: U8, n: int, out: U8, at: int) -> int:
         """Huffman-code ``plane[:n]`` as one zstd frame written at ``out[at:]``.

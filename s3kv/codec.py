@@ -29,6 +29,15 @@ exponent bits, ~3 bits of entropy), then the low bytes (mantissa, ~8 bits: incom
 A section whose zstd frame would not be smaller than its raw bytes is stored as is; an
 object where no section pays is written with codec RAW.
 
+PLANES_REF (2-byte dtypes, 5-D shape ``(layers, 2, heads, tokens, head_dim)``: the
+connector's block of an HND pool) has ``planes == 2`` and lays its sections out plane by
+plane, each plane in pieces of ``chunk_len // 2`` bytes: the K residuals, the V residuals,
+the references (one byte per (K/V, layer, head, dim) channel: the largest high byte over the
+block's tokens), then the low bytes. A residual is ``reference - high byte`` (mod 256), so
+the exponent's distribution around its channel's scale is coded instead of the scales
+themselves. It is written only where its payload is shorter than the raw bytes (else RAW);
+any other shape or dtype is written as PLANES_ZSTD.
+
 :func:`decode` checks, in this order, each failure with its own error: magic
 (BadMagicError), version (UnsupportedVersionError), the header's length and crc32
 (TruncatedError, ChecksumError), the header's internal consistency (SizeMismatchError),
@@ -115,10 +124,11 @@ class CodecId(enum.IntEnum):
     RAW = 0
     ZSTD = 1
     PLANES_ZSTD = 2
+    PLANES_REF = 3
 
     @classmethod
     def from_name(cls, name: str) -> CodecId:
-        """Map a config name ("raw", "zstd", "planes-zstd") to its id.
+        """Map a config name ("raw", "zstd", "planes-zstd", "planes-ref") to its id.
 
         Raises:
             ValueError: Unknown name.
@@ -169,8 +179,14 @@ def _u8_view(data: Any) -> U8:
     return np.frombuffer(memoryview(data).cast("B"), np.uint8)
 
 
-def _raw_lengths(raw_len: int, chunk_len: int, planes: int) -> list[int]:
-    """Raw length of every section, chunk-major (see the module docstring)."""
+def _raw_lengths(
+    codec: CodecId, shape: tuple[int, ...], raw_len: int, chunk_len: int, planes: int
+) -> list[int]:
+    """Raw length of every section, chunk-major (see the module docstring), or
+    PLANES_REF's plane by plane."""
+    geometry = _planes.ref_geometry(shape) if codec is CodecId.PLANES_REF else None
+    if geometry is not None:
+        return _planes.ref_raw_lengths(geometry, chunk_len)
     lengths = []
     for start in range(0, raw_len, chunk_len):
         n = min(chunk_len, raw_len - start)
@@ -259,8 +275,13 @@ def encode(
     # the group is still in cache: one pass over a cold block instead of two.
     hasher = xxhash.xxh3_128()
     layout = None
+    geometry = _planes.ref_geometry(shape) if dtype.itemsize == 2 else None
+    if codec is CodecId.PLANES_REF and geometry is None:
+        codec = CodecId.PLANES_ZSTD  # NOTE: no channel geometry: the plain plane codec
     if codec is not CodecId.RAW and raw_len > 0:
-        if codec is CodecId.PLANES_ZSTD and dtype.itemsize == 2:
+        if codec is CodecId.PLANES_REF and geometry is not None:
+            layout = _planes.encode_ref(data, geometry, hasher)
+        elif codec is CodecId.PLANES_ZSTD and dtype.itemsize == 2:
             layout = _planes.encode_planes(data, hasher)
         else:
             codec = CodecId.ZSTD
@@ -277,10 +298,12 @@ def max_object_len(raw_len: int) -> int:
     one (``Backend.get(max_bytes=...)``).
 
     Every section is stored at most as long as its raw bytes (a frame that does not shrink
-    them is stored as is), and the header is fixed fields, up to 32 dims and 9 bytes per
-    section, of which there are at most two per :data:`~s3kv._planes.PLANE_CHUNK`.
+    them is stored as is; PLANES_REF, whose reference plane is extra, is written only when
+    its payload is shorter than the raw bytes), and the header is fixed fields, up to 32
+    dims and 9 bytes per section: at most two per :data:`~s3kv._planes.PLANE_CHUNK`, or
+    two and a half plus four with PLANES_REF (its references are at most half a plane).
     """
-    sections = 2 * -(-raw_len // _planes.PLANE_CHUNK) + 1
+    sections = 3 * -(-raw_len // _planes.PLANE_CHUNK) + 4
     return raw_len + _MIN_HEADER + 8 * _MAX_NDIM + _SECTION.size * sections
 
 
@@ -343,7 +366,7 @@ def read_header(blob: Bytes) -> Header:
     if header_len != _MIN_HEADER + 8 * ndim + _SECTION.size * nsections:
         raise SizeMismatchError(f"header_len {header_len} disagrees with {nsections} sections")
     _check_layout(codec, dtype, shape, raw_len, planes, chunk_len, nsections)
-    raw_lengths = _raw_lengths(raw_len, chunk_len, planes)
+    raw_lengths = _raw_lengths(codec, shape, raw_len, chunk_len, planes)
     sections = []
     table = view[table_at + _U32.size : header_len - _U32.size]
     stored_only = codec is CodecId.RAW
@@ -390,6 +413,9 @@ def _check_layout(
 ) -> None:
     if raw_len > MAX_RAW_LEN or raw_len != math.prod(shape) * dtype.itemsize:
         raise SizeMismatchError(f"raw_len {raw_len} disagrees with {shape} of {dtype.value}")
+    if codec is CodecId.PLANES_REF:
+        _check_ref_layout(dtype, shape, planes, chunk_len, nsections)
+        return
     two_planes = codec is CodecId.PLANES_ZSTD and dtype.itemsize == 2
     if planes != (2 if two_planes else 1) or chunk_len < 1 or chunk_len % planes:
         raise SizeMismatchError(f"bad layout: planes {planes}, chunk_len {chunk_len}")
@@ -397,6 +423,18 @@ def _check_layout(
         raise SizeMismatchError(f"chunk_len {chunk_len} is over the plane codec's limit")
     if nsections != planes * -(-raw_len // chunk_len):
         raise SizeMismatchError(f"{nsections} sections for {raw_len} bytes in {chunk_len}")
+
+
+def _check_ref_layout(
+    dtype: DType, shape: tuple[int, ...], planes: int, chunk_len: int, nsections: int
+) -> None:
+    geometry = _planes.ref_geometry(shape)
+    if dtype.itemsize != 2 or geometry is None:
+        raise SizeMismatchError(f"PLANES_REF needs a 2-byte dtype and 5-D geometry, got {shape}")
+    if planes != 2 or chunk_len < 2 or chunk_len % 2 or chunk_len // 2 > _zstd.MAX_ENTROPY_CHUNK:
+        raise SizeMismatchError(f"bad layout: planes {planes}, chunk_len {chunk_len}")
+    if nsections != _planes.ref_section_count(geometry, chunk_len):
+        raise SizeMismatchError(f"{nsections} sections for {shape} in {chunk_len}")
 
 
 def decode(
@@ -463,8 +501,14 @@ def decode(
     # cache (no gain over a final pass on 1.5 MB blocks, which are one group; it is for
     # larger ones).
     hasher = xxhash.xxh3_128()
+    ref = header.codec is CodecId.PLANES_REF
+    geometry = _planes.ref_geometry(header.shape) if ref else None
     try:
-        if header.planes == 2:
+        if header.codec is CodecId.PLANES_REF and geometry is not None:
+            _planes.decode_ref(
+                header.sections, geometry, header.chunk_len, src, header.header_len, target, hasher
+            )
+        elif header.planes == 2:
             _planes.decode_planes(header.sections, src, header.header_len, target, hasher)
         else:
             _planes.decode_chunks(header.sections, src, header.header_len, target, hasher)
