@@ -300,7 +300,7 @@ def ref_section_count(geometry: RefGeometry, chunk_len: int) -> int:
 def ref_raw_lengths(geometry: RefGeometry, chunk_len: int) -> list[int]:
     """Raw length of every section of a PLANES_REF object, in payload order."""
     piece = chunk_len // 2
-    lengths = []
+    lengths: list[int] = []
     for n in _ref_planes(geometry):
         lengths.extend(min(piece, n - start) for start in range(0, n, piece))
     return lengths
@@ -327,7 +327,9 @@ def encode_ref(data: U8, geometry: RefGeometry, hasher: Any) -> Layout | None:
     # NOTE: the high bytes land K first, then V (the K/V axis outermost): each is one
     # distribution, and each gets its own Huffman tables.
     split = residuals[:n].reshape(2, g.layers, -1)
-    np.right_shift(words.reshape(g.layers, 2, -1).transpose(1, 0, 2), 8, out=split, casting="unsafe")
+    np.right_shift(
+        words.reshape(g.layers, 2, -1).transpose(1, 0, 2), 8, out=split, casting="unsafe"
+    )
     rows = residuals[:n].reshape(g.channels, g.tokens, g.head_dim)
     ref_rows = refs[: g.refs].reshape(g.channels, 1, g.head_dim)
     # NOTE: the reference leaves the sign bit out (the largest exponent bits): a residual
@@ -416,7 +418,9 @@ def decode_ref(
     hasher.update(target.data)
 
 
-def _decode_run(st: _zstd.ThreadZstd, sections: tuple[Section, ...], src: U8, at: int, dst: U8) -> int:
+def _decode_run(
+    st: _zstd.ThreadZstd, sections: tuple[Section, ...], src: U8, at: int, dst: U8
+) -> int:
     """Decode consecutive sections from ``src[at:]`` into ``dst`` back to back; returns
     the offset in ``src`` after them."""
     pos = 0

@@ -44,7 +44,7 @@ else:  # pragma: no cover - exercised on 3.10 only
 ENV_PREFIX = "TLLM_S3KV_"
 CONFIG_FILE_ENV = "TLLM_S3KV_CONFIG"
 
-CodecName = Literal["planes-zstd", "zstd", "raw"]
+CodecName = Literal["planes-zstd", "planes-ref", "zstd", "raw"]
 SavePolicy = Literal["drop", "block"]
 AddressingStyle = Literal["auto", "path", "virtual"]
 ConditionalPut = Literal["auto", "on", "off"]
@@ -436,8 +436,9 @@ class S3KVConfig:
     )
     codec: CodecName = _plain(
         "planes-zstd",
-        "Block codec: planes-zstd, zstd or raw.",
-        choices=("planes-zstd", "zstd", "raw"),
+        "Block codec: planes-zstd, planes-ref (planes-zstd with per-channel exponent "
+        "references: needs the connector's 5-D block shape, else planes-zstd), zstd or raw.",
+        choices=("planes-zstd", "planes-ref", "zstd", "raw"),
     )
     compression_level: int = _plain(
         1, "zstd level, -7..22; 1 measured best on KV byte planes.", low=-7, high=22

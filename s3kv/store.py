@@ -110,6 +110,7 @@ _CODECS = {
     "raw": codec.CodecId.RAW,
     "zstd": codec.CodecId.ZSTD,
     "planes-zstd": codec.CodecId.PLANES_ZSTD,
+    "planes-ref": codec.CodecId.PLANES_REF,
 }
 
 

@@ -55,7 +55,7 @@ def test_toml_file_then_env_then_arguments(tmp_path: Path) -> None:
     [
         ({"TLLM_S3KV_IO_THREADS": "many"}, "io_threads: expected an integer, got 'many'"),
         ({"TLLM_S3KV_STAGING_BYTES": "lots"}, "staging_bytes"),
-        ({"TLLM_S3KV_CODEC": "gzip"}, "codec: must be one of planes-zstd, zstd, raw"),
+        ({"TLLM_S3KV_CODEC": "gzip"}, "codec: must be one of planes-zstd, planes-ref, zstd, raw"),
         ({"TLLM_S3KV_BLOOM_FPR": "0.9"}, "bloom_fpr"),
         ({"TLLM_S3KV_IO_THREADS": "0"}, "io_threads: must be >= 1"),
         ({"TLLM_S3KV_BUCKTE": "typo"}, "TLLM_S3KV_BUCKTE: unknown setting"),

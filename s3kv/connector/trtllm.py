@@ -41,7 +41,7 @@ from s3kv.connector.requests import honoured_tokens, request_view
 from s3kv.connector.scheduler import SchedulerCore
 from s3kv.connector.shared import ShardInfo, ShardStores, process_state
 from s3kv.connector.warm import WarmStart
-from s3kv.connector.worker import WorkerCore
+from s3kv.connector.worker import WorkerCore, block_geometry
 from s3kv.errors import S3KVError
 from s3kv.keys import UNKNOWN
 
@@ -346,7 +346,12 @@ class S3KVConnectorWorker(WorkerBase):  # type: ignore[misc]
         except S3KVError as exc:  # missing bucket, denied credentials: one line, named
             return ShardInfo(self.rank, None, str(exc), info.block_nbytes, info.host)
         self._pending_core = WorkerCore(
-            self.rank, store, kv, self.config.max_inflight_save_bytes, relay=relayed
+            self.rank,
+            store,
+            kv,
+            self.config.max_inflight_save_bytes,
+            relay=relayed,
+            block_shape=_block_shape(self._llm_args, kv),
         )
         return info
 
@@ -375,7 +380,13 @@ class S3KVConnectorWorker(WorkerBase):  # type: ignore[misc]
             if scheduler is None or scheduler.core is None or shards_on is None:
                 return  # rank 0's scheduler is off: nothing will be planned for any rank
             assert self.config is not None  # an identity implies a configuration
-            core = WorkerCore(0, shards_on.stores[0], self._kv, self.config.max_inflight_save_bytes)
+            core = WorkerCore(
+                0,
+                shards_on.stores[0],
+                self._kv,
+                self.config.max_inflight_save_bytes,
+                block_shape=_block_shape(self._llm_args, self._kv),
+            )
             core.board = scheduler.core.board
             self._start_walks = shards_on.start_walks
             scheduler.await_warm_start()
@@ -493,21 +504,39 @@ class S3KVConnectorWorker(WorkerBase):  # type: ignore[misc]
         return self.core.finished(finished_gen_req_ids), list(started_loading_req_ids)
 
 
-def _num_attention_layers(llm_args: Any) -> int | None:
-    """The model's decoder layer count from its config.json, when readable."""
+def _model_config(llm_args: Any) -> dict[str, Any]:
+    """The model's config.json, or {} where it is not readable."""
     import json
     from pathlib import Path
 
     model = getattr(llm_args, "model", None)
     if not model:
-        return None
+        return {}
     config = Path(str(model)) / "config.json"
     try:
         data = json.loads(config.read_text())
     except (OSError, ValueError):
-        return None
-    layers = data.get("num_hidden_layers")
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def _num_attention_layers(llm_args: Any) -> int | None:
+    """The model's decoder layer count from its config.json, when readable."""
+    layers = _model_config(llm_args).get("num_hidden_layers")
     return int(layers) if isinstance(layers, int) else None
+
+
+def _block_shape(llm_args: Any, kv: Any) -> tuple[int, ...] | None:
+    """The 5-D block shape the codec's PLANES_REF needs (see :func:`block_geometry`), from
+    the model's head_dim (or hidden_size / num_attention_heads) and tokens_per_block."""
+    data = _model_config(llm_args)
+    head_dim = data.get("head_dim")
+    hidden, heads = data.get("hidden_size"), data.get("num_attention_heads")
+    if not isinstance(head_dim, int) and isinstance(hidden, int) and isinstance(heads, int):
+        head_dim = hidden // heads if heads > 0 else None
+    if not isinstance(head_dim, int):
+        return None
+    return block_geometry(tuple(kv.shape), _tokens_per_block(llm_args), head_dim)
 
 
 __all__ = [

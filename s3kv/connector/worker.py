@@ -31,6 +31,7 @@ from __future__ import annotations
 import atexit
 import bisect
 import logging
+import math
 import operator
 import threading
 import time
@@ -103,6 +104,22 @@ def layer_groups(num_layers: int, layer_nbytes: int, min_bytes: int) -> list[int
     """
     per = max(1, -(-min_bytes // max(1, layer_nbytes)))
     return [*range(0, num_layers, per), num_layers]
+
+
+def block_geometry(
+    pool_shape: Sequence[int], tokens_per_block: int, head_dim: int | None
+) -> tuple[int, ...] | None:
+    """``(layers, 2, heads, tokens_per_block, head_dim)`` of one block of a
+    ``[blocks, layers, 2, heads * tokens_per_block * head_dim]`` pool (TensorRT-LLM's HND
+    pages), or None where the sizes do not divide so (the codec then sees the pool's shape).
+    """
+    if len(pool_shape) != 4 or head_dim is None or tokens_per_block < 1 or head_dim < 1:
+        return None
+    _, layers, kv_factor, elems = (int(d) for d in pool_shape)
+    heads, rest = divmod(elems, tokens_per_block * head_dim)
+    if kv_factor != 2 or heads < 1 or rest:
+        return None
+    return layers, kv_factor, heads, tokens_per_block, head_dim
 
 
 def _torch() -> Any:
@@ -267,6 +284,9 @@ class WorkerCore:
         relay: A rank > 0's relayed manifest under tensor parallelism: attached to rank 0's
             write relay the first time the metadata names it, before any save.
         idle_save_after: :data:`IDLE_SAVE_AFTER_S`, or ``None``: no idle saver.
+        block_shape: The shape saved blocks are recorded with (the codec's geometry): the
+            pool's ``(layers, 2, heads, tokens_per_block, head_dim)`` where the connector
+            knows it (:func:`block_geometry`), else ``kv_cache.shape[1:]``.
     """
 
     def __init__(
@@ -279,14 +299,18 @@ class WorkerCore:
         relay: RelayedManifest | None = None,
         *,
         idle_save_after: float | None = IDLE_SAVE_AFTER_S,
+        block_shape: tuple[int, ...] | None = None,
     ) -> None:
         self.rank = rank
         self.relay = relay
         self.store = store
         self.kv_cache = kv_cache
         self.cuda = bool(kv_cache.is_cuda)
-        self.block_shape = tuple(kv_cache.shape[1:])
         self.block_nbytes = kv_cache[0].numel() * kv_cache.element_size()
+        pool_shape = tuple(int(d) for d in kv_cache.shape[1:])
+        if block_shape is None or math.prod(block_shape) != math.prod(pool_shape):
+            block_shape = pool_shape
+        self.block_shape = block_shape
         self.dtype_name = _dtype_name(kv_cache.dtype)
         self.board = board
         self._buffers = SaveBufferPool(
@@ -839,6 +863,7 @@ def _dtype_name(dtype: Any) -> str:
 
 
 __all__ = [
+    "block_geometry",
     "SaveBufferPool",
     "WorkerCore",
 ]
