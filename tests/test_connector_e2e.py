@@ -128,6 +128,30 @@ def test_redeploy_through_codec_processes(
     assert not any(name.startswith("corrupt_objects") for name in b.metrics)
 
 
+def test_redeploy_with_the_planes_ref_codec(
+    bucket: str,
+    seaweedfs: LocalS3,
+    prompts: dict[str, tuple[int, ...]],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The connector records (layers, 2, heads, tokens_per_block, head_dim) blocks, so the
+    # setting takes effect end to end (with the pool's 4-D shape it would be PLANES_ZSTD).
+    monkeypatch.setenv("TLLM_S3KV_CODEC", "planes-ref")
+    assert_redeploy_hits(prompts)
+    from s3kv import codec
+
+    client = seaweedfs.client()
+    headers = [
+        codec.read_header(client.get_object(Bucket=bucket, Key=obj["Key"])["Body"].read())
+        for page in client.get_paginator("list_objects_v2").paginate(Bucket=bucket)
+        for obj in page.get("Contents", [])
+        if "/blocks/" in obj["Key"]
+    ]
+    assert len(headers) >= SYSTEM_BLOCKS
+    assert {h.codec for h in headers} == {codec.CodecId.PLANES_REF}
+    assert {len(h.shape) for h in headers} == {5}
+
+
 def test_cache_salt_must_not_match(bucket: str, prompts: dict[str, tuple[int, ...]]) -> None:
     run(prompts["a"], cache_salt="tenant-a")
     other = run(prompts["b"], cache_salt="tenant-b")
