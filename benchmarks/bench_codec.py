@@ -11,6 +11,10 @@ wheel) and caches it under ``~/.cache/s3kv/``; later runs take well under a minu
   second on one thread, best of N passes over all blocks (cold in cache: 47 MB); decode
   verifies everything and returns a fresh buffer. ``codec.decompress_into_MBps_bf16``:
   decode into a reused buffer (the staging path).
+* ``codec.planes_ref.*_bf16``: the same figures for PLANES_REF (config ``planes-ref``) on
+  the same blocks as the connector hands them to the store, TensorRT-LLM's HND pages
+  ``[30, 2, 3, 64, 64]``; ``codec.planes_ref.vs_planes_zstd.*``: its speed over PLANES_ZSTD's
+  on those blocks, both timed in alternating passes of this run.
 * ``codec.ratio_plain_zstd1_bf16``: zstd level 1 on the raw block, for reference.
 * ``codec.zipnn_*_bf16``: ZipNN (method AUTO, threads=1) on the same blocks, when the
   ``zipnn`` package imports. Its bf16 compress rewrites its input in place, so every call
@@ -48,6 +52,65 @@ def best_pass(passes: int, run: Callable[[], None]) -> float:
         run()
         best = min(best, time.perf_counter() - started)
     return best
+
+
+def bench_planes_ref(blocks: Sequence[np.ndarray], passes: int, common: dict[str, Any]) -> None:
+    """PLANES_REF against PLANES_ZSTD on HND copies of ``blocks``, passes interleaved."""
+    hnd = [np.ascontiguousarray(b.transpose(0, 1, 3, 2, 4)) for b in blocks]
+    raw = sum(b.nbytes for b in hnd)
+    keys = [f"bench/{i:04d}" for i in range(len(hnd))]
+    out = np.empty(hnd[0].nbytes, np.uint8).data
+    codecs = (codec.CodecId.PLANES_ZSTD, codec.CodecId.PLANES_REF)
+
+    def encode_all(codec_id: codec.CodecId) -> list[bytes]:
+        return [
+            codec.encode(b, key=k, dtype=codec.DType.BFLOAT16, shape=b.shape, codec=codec_id)
+            for b, k in zip(hnd, keys, strict=True)
+        ]
+
+    blobs = {c: encode_all(c) for c in codecs}
+    for c in codecs:
+        for blob, block, key in zip(blobs[c], hnd, keys, strict=True):
+            if codec.read_header(blob).codec is not c or bytes(codec.decode(blob, key=key)) != (
+                block.tobytes()
+            ):
+                raise SystemExit(f"{c.name}: round trip failed")
+
+    def encode_each(codec_id: codec.CodecId) -> None:
+        for block, key in zip(hnd, keys, strict=True):  # NOTE: each dropped, as in bench_s3kv
+            codec.encode(block, key=key, dtype="bfloat16", shape=block.shape, codec=codec_id)
+
+    def decode_all(codec_id: codec.CodecId) -> None:
+        for blob, key in zip(blobs[codec_id], keys, strict=True):
+            codec.decode(blob, key=key, out=out)
+
+    # NOTE: alternating passes, so that a noisy neighbour slows both codecs alike.
+    best: dict[tuple[codec.CodecId, str], float] = {}
+    for _ in range(passes):
+        for c in codecs:
+            for what, seconds in (
+                ("compress", best_pass(1, lambda c=c: encode_each(c))),
+                ("decompress_into", best_pass(1, lambda c=c: decode_all(c))),
+            ):
+                best[c, what] = min(best.get((c, what), seconds), seconds)
+    extra = {**common, "layout": "hnd"}
+    emit("codec.planes_ref.ratio_bf16", raw / sum(map(len, blobs[codecs[1]])), "x", **extra)
+    emit(
+        "codec.planes_ref.planes_zstd_ratio_bf16",
+        raw / sum(map(len, blobs[codecs[0]])),
+        "x",
+        **extra,
+    )
+    for what in ("compress", "decompress_into"):
+        mbps = {c: raw / best[c, what] / 1e6 for c in codecs}
+        emit(f"codec.planes_ref.{what}_MBps_bf16", mbps[codecs[1]], "MB/s", **extra)
+        emit(f"codec.planes_ref.planes_zstd_{what}_MBps_bf16", mbps[codecs[0]], "MB/s", **extra)
+        emit(
+            f"codec.planes_ref.vs_planes_zstd.{what}",
+            mbps[codecs[1]] / mbps[codecs[0]],
+            "x",
+            **extra,
+        )
 
 
 def bench_s3kv(blocks: Sequence[np.ndarray], passes: int, common: dict[str, Any]) -> None:
@@ -137,6 +200,7 @@ def main() -> None:
         "passes": passes,
     }
     bench_s3kv(blocks, passes, common)
+    bench_planes_ref(blocks, passes, common)
     bench_plain_zstd(blocks, common)
     bench_zipnn(blocks, passes, common)
 

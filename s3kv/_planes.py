@@ -44,6 +44,7 @@ left is CPython's GIL itself; see the benchmark's docstring.
 from __future__ import annotations
 
 import enum
+import math
 from typing import Any, Final, NamedTuple
 
 import numpy as np
@@ -66,6 +67,8 @@ PROBE: Final = 16 * 1024
 _HIGH: Final = np.array(256, np.uint16)
 #: The high byte less its top (sign) bit.
 _EXPONENT_BITS: Final = np.array(0x7F, np.uint8)
+#: Most tokens the references are repeated over before they are subtracted (a power of 2).
+_REF_TILE: Final = 16
 
 
 class SectionCodec(enum.IntEnum):
@@ -318,7 +321,6 @@ def encode_ref(data: U8, geometry: RefGeometry, hasher: Any) -> Layout | None:
     payload scratch: copy it before the thread encodes again.
     """
     st = _zstd.local()
-    hasher.update(data.data)
     words = data.view("<u2")
     n = words.size
     g = geometry
@@ -330,6 +332,7 @@ def encode_ref(data: U8, geometry: RefGeometry, hasher: Any) -> Layout | None:
     np.right_shift(
         words.reshape(g.layers, 2, -1).transpose(1, 0, 2), 8, out=split, casting="unsafe"
     )
+    hasher.update(data.data)  # NOTE: while the block is still in cache
     rows = residuals[:n].reshape(g.channels, g.tokens, g.head_dim)
     ref_rows = refs[: g.refs].reshape(g.channels, 1, g.head_dim)
     # NOTE: the reference leaves the sign bit out (the largest exponent bits): a residual
@@ -337,7 +340,7 @@ def encode_ref(data: U8, geometry: RefGeometry, hasher: Any) -> Layout | None:
     masked = st.scratch("masked", n)[:n].reshape(rows.shape)
     np.bitwise_and(rows, _EXPONENT_BITS, out=masked)
     _token_max(masked, ref_rows)
-    np.subtract(ref_rows, rows, out=rows)
+    _subtract_refs(st, refs, rows)
     piece = PLANE_CHUNK // 2
     payload = st.payload(data.size + g.refs)
     sections: list[tuple[SectionCodec, int]] = []
@@ -377,6 +380,25 @@ def _token_max(work: U8, out: U8) -> None:
     np.copyto(out, work[:, :1])
 
 
+def _subtract_refs(st: _zstd.ThreadZstd, refs: U8, rows: U8) -> None:
+    """``rows[c, t, d] = refs[c * dim + d] - rows[c, t, d]`` (mod 256), in place.
+
+    The references are first repeated over up to 16 tokens, so that numpy's inner loop
+    spans 16 tokens' bytes instead of one head_dim's: 2x faster on 64-token blocks.
+    """
+    channels, tokens, dim = rows.shape
+    width = math.gcd(tokens, _REF_TILE)
+    tiled = st.scratch("tiled-refs", channels * width * dim)[: channels * width * dim]
+    tiled = tiled.reshape(channels, width * dim)
+    tiled[:, :dim] = refs[: channels * dim].reshape(channels, dim)
+    done = 1
+    while done < width:  # NOTE: width is a power of 2: doubling copies, wide inner loops
+        tiled[:, done * dim : 2 * done * dim] = tiled[:, : done * dim]
+        done *= 2
+    wide = rows.reshape(channels, tokens // width, width * dim)
+    np.subtract(tiled[:, None, :], wide, out=wide)
+
+
 def decode_ref(
     sections: tuple[Section, ...],
     geometry: RefGeometry,
@@ -410,8 +432,7 @@ def decode_ref(
     if any(s.codec is SectionCodec.ZSTD for s in lows):
         low = st.scratch("low", n)
         _decode_run(st, lows, src, at, low)
-    rows = residuals[:n].reshape(g.channels, g.tokens, g.head_dim)
-    np.subtract(refs[:nrefs].reshape(g.channels, 1, g.head_dim), rows, out=rows)
+    _subtract_refs(st, refs, residuals[:n].reshape(g.channels, g.tokens, g.head_dim))
     high = residuals[:n].reshape(2, g.layers, -1).transpose(1, 0, 2)
     np.multiply(high, _HIGH, out=words.reshape(g.layers, 2, -1))
     np.bitwise_or(words, low[:n], out=words)
