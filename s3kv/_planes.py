@@ -21,6 +21,19 @@ choice against its alternative:
 * Merge by multiply + or instead of left_shift + or: 116 vs 160 us per block.
 * Raw checksum fed while in cache rather than in a final pass: encode +3-7%.
 
+PLANES_REF (:func:`encode_ref`), on the same KV as the connector hands it over (HND pages,
+``[30, 2, 3, T, 64]``), 2-vCPU dev box, interleaved with PLANES_ZSTD in one run:
+
+* Reference = largest sign-less high byte of the channel over the block's tokens, K and V
+  residuals in their own sections: ratio 1.4734 (T=32) / 1.4754 (T=64) vs 1.4497 / 1.4514.
+  With the sign in the reference (no mask): 1.461. OR instead of max: 1.378.
+* No exponent rotation (``(u << 1) | (u >> 15)``, which puts the whole exponent in one byte:
+  1.503 in the prototype): its three extra 16-bit passes on decode alone took decode from
+  0.96x to 0.875x of PLANES_ZSTD (0.80x in the prototype), and more on encode.
+* References repeated over 16 tokens before the subtract: 68 vs 100-115 us per 1.47 MB block
+  (numpy's inner loop spans 1 KiB instead of one head_dim's 64 bytes).
+* Measured: encode 0.81-0.86x, decode 0.88-0.96x PLANES_ZSTD's MB/s (noisy shared box).
+
 Threads (benchmarks/bench_codec_threads.py, 16-core Xeon VM, 8 threads vs one). Forked
 processes scale 7.6x on decode, but threads reached 1.5x: every call that drops the GIL
 (zstd, numpy, xxhash over 64 KiB) is a point where a thread must take it back, and under
