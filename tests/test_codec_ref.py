@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import json
 import math
 import struct
+from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -302,3 +305,18 @@ def test_store_saves_planes_ref_objects_that_a_new_reader_stages() -> None:
         staged = reader.staged(key)
         assert staged is not None
         assert staged.tobytes() == block.tobytes()
+
+
+def test_the_trtllm_worker_derives_the_shape_from_the_model_config(tmp_path: Path) -> None:
+    from s3kv.connector import trtllm
+
+    (tmp_path / "config.json").write_text(
+        json.dumps({"hidden_size": 576, "num_attention_heads": 9, "num_key_value_heads": 3})
+    )
+    kv_cache = SimpleNamespace(tokens_per_block=32)
+    args = SimpleNamespace(model=str(tmp_path), kv_cache_config=kv_cache)
+    pool = SimpleNamespace(shape=(100, 30, 2, 3 * 32 * 64))
+    assert trtllm._block_shape(args, pool) == (30, 2, 3, 32, 64)
+    (tmp_path / "config.json").write_text(json.dumps({"head_dim": 128}))
+    assert trtllm._block_shape(args, pool) is None  # 6144 elements are not k * 32 * 128
+    assert trtllm._block_shape(SimpleNamespace(model=None), pool) is None
