@@ -32,7 +32,9 @@ PLANES_REF (:func:`encode_ref`), on the same KV as the connector hands it over (
   0.96x to 0.875x of PLANES_ZSTD (0.80x in the prototype), and more on encode.
 * References repeated over 16 tokens before the subtract: 68 vs 100-115 us per 1.47 MB block
   (numpy's inner loop spans 1 KiB instead of one head_dim's 64 bytes).
-* Measured: encode 0.81-0.86x, decode 0.88-0.96x PLANES_ZSTD's MB/s (noisy shared box).
+* Measured: encode 0.78-0.86x, decode 0.82-0.96x PLANES_ZSTD's MB/s, best of 10-15
+  interleaved passes (a shared 2-vCPU box: +-5% from run to run). Transforming a group of
+  layers at a time (planes in L2 from shift to subtract) was slower: more numpy calls.
 
 Threads (benchmarks/bench_codec_threads.py, 16-core Xeon VM, 8 threads vs one). Forked
 processes scale 7.6x on decode, but threads reached 1.5x: every call that drops the GIL
