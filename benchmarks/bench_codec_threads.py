@@ -37,7 +37,11 @@ decode 3.1x, staging 3.6x, encode 3.1x; the 0.8 N target is not reached with the
 remaining serial parts: 15-17 GIL-dropping calls per block each way, ~30 us of Python per
 block, and encode's final 1 MB copy into its ``bytes`` result under the GIL (~40-50 us).
 
-Usage: ``python benchmarks/bench_codec_threads.py [--quick] [--threads 1,2,4,8,16]``.
+``--codec planes-ref`` times the codec cases with PLANES_REF (blocks recorded with the
+connector's 5-D shape); rows name the codec.
+
+Usage: ``python benchmarks/bench_codec_threads.py [--quick] [--threads 1,2,4,8,16]
+[--codec NAME] [--processes]``.
 """
 
 from __future__ import annotations
@@ -62,6 +66,10 @@ from s3kv.keys import BlockHash
 from s3kv.staging import NumpyAllocator, StagingCache
 
 BLOCK_SHAPE = (30, 2, 64, 3, 64)  # SmolLM2: layers, kv, tokens, kv heads, head dim
+#: The same block as the connector records it (HND pages): PLANES_REF's geometry.
+HND_SHAPE = (30, 2, 3, 64, 64)
+#: Cases that take a PLANES_ZSTD object apart; they do not apply to other codecs.
+PLANES_ZSTD_PARTS = ("zstd_plane_decode", "plane_merge", "assemble")
 BLOCK_BYTES = int(np.prod(BLOCK_SHAPE)) * 2
 
 
@@ -142,6 +150,7 @@ def main() -> int:
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--threads", default="")
     parser.add_argument("--cases", default="", help="comma-separated subset of the cases")
+    parser.add_argument("--codec", default="planes-zstd", choices=("planes-zstd", "planes-ref"))
     parser.add_argument(
         "--processes",
         action="store_true",
@@ -157,10 +166,12 @@ def main() -> int:
     # NOTE: each run lasts about run_s on one thread, so that thread start-up skew (ms in a
     # VM) stays small next to it even for the fast parts.
     run_s = 0.04 if args.quick else 0.15
+    codec_id = codec.CodecId.from_name(args.codec)
+    shape = HND_SHAPE if codec_id is codec.CodecId.PLANES_REF else BLOCK_SHAPE
     blocks = kv_like(16)
     keys = [f"bench/{i:04d}" for i in range(len(blocks))]
     blobs = [
-        codec.encode(b, key=k, dtype=codec.DType.BFLOAT16, shape=b.shape)
+        codec.encode(b, key=k, dtype=codec.DType.BFLOAT16, shape=shape, codec=codec_id)
         for b, k in zip(blocks, keys, strict=True)
     ]
     reused = [np.empty(BLOCK_BYTES, np.uint8) for _ in range(max(counts))]
@@ -226,7 +237,11 @@ def main() -> int:
         "stage": staging_case,
         "encode": lambda: (
             lambda t, i: codec.encode(
-                blocks[i % 16], key=keys[i % 16], dtype=codec.DType.BFLOAT16, shape=BLOCK_SHAPE
+                blocks[i % 16],
+                key=keys[i % 16],
+                dtype=codec.DType.BFLOAT16,
+                shape=shape,
+                codec=codec_id,
             )
         ),
         "xxh3_128": lambda: lambda t, i: xxhash.xxh3_128(blocks[i % 16].data).digest(),
@@ -234,9 +249,16 @@ def main() -> int:
         "plane_merge": lambda: merge_only,
         "assemble": lambda: assemble_only,
     }
+    if codec_id is not codec.CodecId.PLANES_ZSTD:
+        cases = {name: make for name, make in cases.items() if name not in PLANES_ZSTD_PARTS}
     if args.cases:
         cases = {name: cases[name] for name in args.cases.split(",")}
-    common = {"cores": cores, "cpu": cpu_model(), "block_MB": round(BLOCK_BYTES / 1e6, 3)}
+    common = {
+        "cores": cores,
+        "cpu": cpu_model(),
+        "block_MB": round(BLOCK_BYTES / 1e6, 3),
+        "codec": args.codec,
+    }
     run = run_processes if args.processes else run_threads
     who = resource.RUSAGE_CHILDREN if args.processes else resource.RUSAGE_SELF
     prefix = "codec_procs" if args.processes else "codec_threads"

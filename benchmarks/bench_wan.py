@@ -5,7 +5,8 @@ userspace delay line (``netshape.py`` says how and why). Needs root; otherwise p
 ``wan.skipped`` line and exits 0. For each link, (1 Gbit/s, 20 ms) and (10 Gbit/s, 10 ms),
 in this one process (and its codec processes), against the same server and the same real
 SmolLM2 bf16 KV blocks (64 tokens, 1.47 MB each, cycled under distinct keys; 128 per pass,
-an 8K-token prompt):
+an 8K-token prompt) in the layout the connector hands to the store, TensorRT-LLM's HND pages
+``[layers, 2, heads, tokens, head_dim]``:
 
 * ``wan.rtt_measured_ms`` / ``wan.link_measured_Gbps``: a 1-byte ping and a raw bulk
   transfer (4 streams, each direction) through the same relay and veth.
@@ -26,6 +27,9 @@ an 8K-token prompt):
 * ``wan.save_over_uncompressed`` (target 1.3), ``wan.stage_over_uncompressed`` (1.3),
   ``wan.save_over_seed`` (4), ``wan.stage_over_seed`` (4): ratios of the above.
 
+s3kv's rows name their ``codec`` (the configured one, or each ``--codec`` given, timed in
+turn within every round against the same baselines: a side-by-side comparison).
+
 MB/s are raw (uncompressed) bytes per second, best of the rounds. Every row carries the
 link (``link_Gbps``, ``rtt_ms``); throughput rows add ``wire_Gbps`` (bytes on the veth,
 headers included), ``link_util`` (wire / link rate) and ``cpu_busy`` (share of all cores
@@ -38,15 +42,17 @@ it, the link and the codec's ratio bound the figure, not s3kv's client; the bulk
 payload and the phase's wire bytes count headers too, so it is a few percent low).
 
 Usage: ``sudo python benchmarks/bench_wan.py [--quick] [--threads N] [--codec-processes N]
-[--blocks N] [--link GBIT ...] [--kv-file KV.npy] [--clean]``. ``--kv-file`` takes the KV
-array from a ``.npy`` that ``kv_array`` wrote (or a prefix of its tokens), for a machine
-without the model wheel; rows then name the file.
+[--blocks N] [--link GBIT ...] [--codec NAME ...] [--kv-file KV.npy] [--clean]``.
+``--kv-file`` takes the KV array from a ``.npy`` that ``kv_array`` wrote (or a prefix of its
+tokens), for a machine without the model wheel; rows then name the file.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
+import itertools
 import json
 import os
 import sys
@@ -54,7 +60,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, get_args
 
 import numpy as np
 import numpy.typing as npt
@@ -62,6 +68,7 @@ from bench_s3 import get_raw, identity, parallel, put_raw, seed_load, seed_save
 from netshape import LinkSpec, NetShapeError, ShapedS3, cpu_times, remove_stale, sigterm_as_exit
 
 from s3kv.arena import SlabArena
+from s3kv.config import CodecName
 from s3kv.storage import Backend, DelegatingBackend, open_backend
 from s3kv.store import KVStore
 
@@ -73,6 +80,8 @@ CPU_BOUND = 0.9
 TOKENS_PER_BLOCK = 64
 #: SmolLM2-135M's KV geometry (layers, KV heads, head dim), as ``bench_s3.identity`` says.
 SMOLLM2_KV = (30, 3, 64)
+#: The codecs ``--codec`` takes (S3KVConfig.codec's choices).
+CODECS: tuple[CodecName, ...] = get_args(CodecName)
 
 
 def emit(metric: str, value: float, unit: str, **extra: Any) -> None:
@@ -229,6 +238,7 @@ def run_link(
     tag: int,
     kv: str,
     processes: int,
+    codecs: Sequence[CodecName],
 ) -> None:
     from s3kv.config import S3KVConfig
     from s3kv.keys import ROOT_HASH, BlockHash, hash_block
@@ -251,6 +261,7 @@ def run_link(
             io_threads=threads, codec_processes=processes, staging_bytes=2 * raw_bytes,
             max_inflight_save_bytes=2 * raw_bytes,
         )  # fmt: skip
+        configs = {name: dataclasses.replace(cfg, codec=name) for name in codecs or [cfg.codec]}
         backend = open_backend(cfg)
         puts = BlockPuts(backend)
         # NOTE: with codec processes, staging and save buffers are shared-memory arenas (the
@@ -266,10 +277,10 @@ def run_link(
             if name not in best or phase.mbps > best[name].mbps:
                 best[name] = phase
 
-        for r in range(rounds):
-            label = f"wan{tag}-r{r}"
-            keys = [hash_block(ROOT_HASH, [tag, r, i]) for i in range(len(blocks))]
-            store = KVStore.open(cfg, identity(label), **own)
+        def save_and_stage(config: S3KVConfig, label: str, tokens: list[int], name: str) -> None:
+            """One s3kv save pass and one stage pass with ``config``, kept under ``name``."""
+            keys = [hash_block(ROOT_HASH, [*tokens, i]) for i in range(len(blocks))]
+            store = KVStore.open(config, identity(label), **own)
             sources = saved_from(store, blocks)
             children = codec_pids(store, processes)
 
@@ -288,13 +299,13 @@ def run_link(
                 elif not puts.done.wait(300):
                     raise SystemExit("block PUTs did not finish in 300 s")
 
-            keep("save", measure(net, raw_bytes, True, save_all, children))
+            keep(f"save:{name}", measure(net, raw_bytes, True, save_all, children))
             store.flush(timeout=300)
             completed = store.metrics.value("save_completed")
             if completed != len(blocks):
                 raise SystemExit(f"only {completed:.0f} of {len(blocks)} saves completed")
             store.close()
-            reader = KVStore.open(cfg, identity(label), **own)
+            reader = KVStore.open(config, identity(label), **own)
             children = codec_pids(reader, processes)
 
             def stage_all(reader: KVStore = reader, keys: list[BlockHash] = keys) -> None:
@@ -302,13 +313,17 @@ def run_link(
                 if reader.wait_staged(keys, timeout=300) != len(keys):
                     raise SystemExit("not every block staged")
 
-            keep("stage", measure(net, raw_bytes, False, stage_all, children))
+            keep(f"stage:{name}", measure(net, raw_bytes, False, stage_all, children))
             for key, block in zip(keys, blocks, strict=True):
                 staged = reader.staged(key)
                 if staged is None or staged.tobytes() != block.tobytes():
                     raise SystemExit("a staged block differs from the saved one")
             reader.close()
 
+        for r in range(rounds):
+            for c, (codec, config) in enumerate(configs.items()):
+                save_and_stage(config, f"wan{tag}-r{r}-{codec}", [tag, r, c], codec)
+            label = f"wan{tag}-r{r}"
             raw_keys = [f"raw/{label}/{i}" for i in range(len(blocks))]
             seed_keys = [f"seed/{label}/{i}" for i in range(len(blocks))]
             n = len(blocks)
@@ -323,40 +338,52 @@ def run_link(
                     ("seed_save", True, functools.partial(seed_save, backend, seed_keys, blocks)),
                     ("seed_load", False, functools.partial(seed_load, backend, seed_keys)),
                 ]
-            for name, upload, run in others:
-                keep(name, measure(net, raw_bytes, upload, run))
+            for phase_name, upload, run in others:
+                keep(phase_name, measure(net, raw_bytes, upload, run))
         backend.close()
 
     common = {**where, "rtt_measured_ms": round(rtt, 2), "rounds": rounds, "threads": threads,
               "blocks": len(blocks), "block_MB": round(blocks[0].nbytes / 1e6, 3),
               "distinct_blocks": len(base), "kv": kv, "cores": os.cpu_count(),
               "codec_processes": processes}  # fmt: skip
-    names = {"save": "wan.save_MBps", "put": "wan.uncompressed_put_MBps",
-             "seed_save": "wan.seed_save_MBps", "stage": "wan.stage_MBps",
+    names = {"put": "wan.uncompressed_put_MBps", "seed_save": "wan.seed_save_MBps",
              "get": "wan.uncompressed_get_MBps", "seed_load": "wan.seed_load_MBps"}  # fmt: skip
-    for name, metric in names.items():
-        emit(metric, best[name].mbps, "MB/s", **best[name].fields(link), **common)
-    for metric, ours, theirs, target in (
+    for phase_name, metric in names.items():
+        phase = best[phase_name]
+        emit(metric, phase.mbps, "MB/s", **phase.fields(link), **common)
+    for codec in configs:
+        for what in ("save", "stage"):
+            phase = best[f"{what}:{codec}"]
+            emit(f"wan.{what}_MBps", phase.mbps, "MB/s", **phase.fields(link), **common,
+                 codec=codec)  # fmt: skip
+    for codec, (metric, what, theirs, target) in itertools.product(configs, (
         ("wan.save_over_uncompressed", "save", "put", 1.3),
         ("wan.stage_over_uncompressed", "stage", "get", 1.3),
         ("wan.save_over_seed", "save", "seed_save", 4.0),
         ("wan.stage_over_seed", "stage", "seed_load", 4.0),
-    ):
+    )):  # fmt: skip
+        ours = f"{what}:{codec}"
         ratio = best[ours].mbps / best[theirs].mbps
         cpu_bound = max(best[ours].cpu_busy, best[theirs].cpu_busy) >= CPU_BOUND
         utils = [best[x].fields(link)["link_util"] for x in (ours, theirs)]
         # NOTE: the ratio s3kv's phase would reach with its bytes on the wire moving as fast
         # as the raw bulk transfer's did: near it, the link (not s3kv) is what bounds it.
         wire = best[ours].fields(link)["wire_Gbps"]
-        ceiling = ratio * bulk_gbps["up" if ours == "save" else "down"] / wire if wire else 0.0
+        ceiling = ratio * bulk_gbps["up" if what == "save" else "down"] / wire if wire else 0.0
         emit(metric, ratio, "x", target=target, met=ratio >= target, cpu_bound=cpu_bound,
              link_util=utils, link_ceiling=round(ceiling, 3), **where,
-             rtt_measured_ms=round(rtt, 2))  # fmt: skip
+             rtt_measured_ms=round(rtt, 2), codec=codec)  # fmt: skip
 
 
 def kv_blocks(kv_file: str) -> list[npt.NDArray[Any]]:
-    """SmolLM2's real KV in blocks of TOKENS_PER_BLOCK: from ``kv_file`` (a ``.npy`` of
+    """SmolLM2's real KV in blocks of TOKENS_PER_BLOCK as the connector hands them over,
+    ``[layers, 2, kv_heads, tokens, head_dim]`` (HND pages), from ``kv_file`` (a ``.npy`` of
     ``[layers, 2, tokens, kv_heads, head_dim]``, as ``kv_array`` caches it), else computed."""
+    return [np.ascontiguousarray(block.transpose(0, 1, 3, 2, 4)) for block in nhd_blocks(kv_file)]
+
+
+def nhd_blocks(kv_file: str) -> list[npt.NDArray[Any]]:
+    """The blocks in ``kv_array``'s token-major layout (see :func:`kv_blocks`)."""
     if not kv_file:
         from s3kv.testing.smollm2 import kv_blocks as computed
 
@@ -392,6 +419,13 @@ def main() -> int:
         help="s3kv's codec_processes (0: encode and decode on the I/O threads)",
     )
     parser.add_argument(
+        "--codec",
+        action="append",
+        default=[],
+        choices=CODECS,
+        help="s3kv's codec (repeat to compare codecs side by side; default: the configured)",
+    )
+    parser.add_argument(
         "--kv-file", default="", help="a .npy of SmolLM2's KV ([layers, 2, tokens, heads, dim])"
     )
     parser.add_argument(
@@ -421,7 +455,7 @@ def main() -> int:
             run_link(link, base, rounds=rounds, seed_rounds=seed_rounds, count=args.blocks,
                      threads=args.threads,
                      tag=tag, kv=args.kv_file or "computed",
-                     processes=args.codec_processes)  # fmt: skip
+                     processes=args.codec_processes, codecs=args.codec)  # fmt: skip
         except NetShapeError as exc:
             print(json.dumps({"metric": "wan.skipped", "reason": str(exc),
                               "link_Gbps": link.gbit, "rtt_ms": link.rtt_ms}))  # fmt: skip
