@@ -52,6 +52,7 @@ import gc
 import json
 import math
 import os
+import re
 import shutil
 import statistics
 import sys
@@ -185,14 +186,35 @@ def prompts(vocab: int, prefix_tokens: int, trials: int, cold_repeats: int = 1) 
 # --- one process ---
 
 
+def model_dir(label: str, shape: dict[str, Any]) -> str:
+    """A folder named for the random model with its ``config.json``, as a checkpoint's: the
+    connector reads the head size there to record 5-D blocks (the PLANES_REF geometry)."""
+    name = re.sub(r"[^A-Za-z0-9_.-]", "_", label)
+    folder = Path(tempfile.gettempdir()) / f"random-{name}-seed{SEED}"
+    folder.mkdir(exist_ok=True)
+    config = {
+        "num_hidden_layers": shape["layers"], "hidden_size": shape["hidden"],
+        "num_attention_heads": shape["heads"], "num_key_value_heads": shape["kv_heads"],
+        "head_dim": shape["head_dim"],
+    }  # fmt: skip
+    (folder / "config.json").write_text(json.dumps(config))
+    return str(folder)
+
+
 def executor_for(
-    label: str, model: PagedLlama, *, connector: bool, num_blocks: int, cuda_graphs: bool = True
+    label: str,
+    model: PagedLlama,
+    *,
+    connector: bool,
+    num_blocks: int,
+    shape: dict[str, Any],
+    cuda_graphs: bool = True,
 ) -> PyExecutorEmulator:
     """The emulated engine; ``cuda_graphs`` replays decode passes from captured graphs, as
     TensorRT-LLM does by default (``cuda_graph_config``, on unless set to ``None``)."""
     args = TorchLlmArgs(
         cuda_graph_config=object() if cuda_graphs else None,
-        model=f"random-{label}-seed{SEED}",
+        model=model_dir(label, shape),
         dtype="bfloat16",
         max_num_tokens=8192 + 1024,
         disable_overlap_scheduler=False,
@@ -419,11 +441,12 @@ def writer(rank: int, world: int, job: dict[str, Any]) -> dict[str, Any]:
     model = build_model(job["shape"], job["device"], torch.bfloat16)
     check = attention_check(job["shape"], job["device"])
     graphs = job["cuda_graphs"]
+    blocks, shape = pool_blocks(job), job["shape"]
     conn = executor_for(
-        job["label"], model, connector=True, num_blocks=pool_blocks(job), cuda_graphs=graphs
+        job["label"], model, connector=True, num_blocks=blocks, shape=shape, cuda_graphs=graphs
     )
     ref = executor_for(
-        job["label"], model, connector=False, num_blocks=pool_blocks(job), cuda_graphs=graphs
+        job["label"], model, connector=False, num_blocks=blocks, shape=shape, cuda_graphs=graphs
     )
     warm = job["prompts"]["warmup"]["writer"]
     warm_up(conn, *warm)
@@ -503,7 +526,7 @@ def reader(rank: int, world: int, job: dict[str, Any]) -> dict[str, Any]:
     model = build_model(job["shape"], job["device"], torch.bfloat16)
     started = time.perf_counter()
     conn = executor_for(
-        job["label"], model, connector=True, num_blocks=pool_blocks(job),
+        job["label"], model, connector=True, num_blocks=pool_blocks(job), shape=job["shape"],
         cuda_graphs=job["cuda_graphs"],
     )  # fmt: skip
     startup_s = time.perf_counter() - started

@@ -172,9 +172,11 @@ def main() -> int:
     blocks = 2 * pool_blocks({"prefix_tokens": PREFIX_TOKENS})
     graphs = args.cuda_graphs == "on"
     with_connector = executor_for(
-        label, llama, connector=True, num_blocks=blocks, cuda_graphs=graphs
+        label, llama, connector=True, num_blocks=blocks, shape=shape, cuda_graphs=graphs
     )
-    without = executor_for(label, llama, connector=False, num_blocks=blocks, cuda_graphs=graphs)
+    without = executor_for(
+        label, llama, connector=False, num_blocks=blocks, shape=shape, cuda_graphs=graphs
+    )
     drawn = prompts(shape["vocab"], PREFIX_TOKENS, args.trials * len(variants))
     warm_up(with_connector, *drawn["warmup"]["writer"])
     warm_up(without, *drawn["warmup"]["writer"])

@@ -140,8 +140,8 @@ def main() -> int:
     llama = build_model(shape, "cuda", torch.bfloat16)
     blocks = pool_blocks({"prefix_tokens": PREFIX_TOKENS})
     executors = {
-        True: executor_for(label, llama, connector=True, num_blocks=blocks),
-        False: executor_for(label, llama, connector=False, num_blocks=blocks),
+        True: executor_for(label, llama, connector=True, num_blocks=blocks, shape=shape),
+        False: executor_for(label, llama, connector=False, num_blocks=blocks, shape=shape),
     }
     drawn = prompts(shape["vocab"], PREFIX_TOKENS, args.trials)
     for executor in executors.values():

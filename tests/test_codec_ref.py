@@ -18,8 +18,8 @@ from s3kv import _planes, codec
 from s3kv.codec import CodecId, DType
 from s3kv.config import S3KVConfig
 from s3kv.connector.worker import block_geometry
-from s3kv.errors import ChecksumError, CodecError, SizeMismatchError
-from s3kv.keys import ROOT_HASH, ModelIdentity, chain_hashes
+from s3kv.errors import ChecksumError, CodecError, SizeMismatchError, UnsupportedVersionError
+from s3kv.keys import ROOT_HASH, BlockHash, ModelIdentity, chain_hashes
 from s3kv.pool import IOPool
 from s3kv.staging import NumpyAllocator
 from s3kv.storage import MemoryBackend
@@ -257,8 +257,8 @@ def test_block_geometry_of_a_pool() -> None:
     assert block_geometry((30, 2, 3 * 32 * 64), 32, 64) is None
 
 
-def test_store_saves_planes_ref_objects_that_a_new_reader_stages() -> None:
-    backend = MemoryBackend()
+def open_store(backend: MemoryBackend, codec_name: str = "planes-ref") -> KVStore:
+    """A store of a model whose blocks are :data:`SHAPE`, with ``codec_name``."""
     layers, _, heads, tokens, dim = SHAPE
     identity = ModelIdentity(
         model_id="test/model",
@@ -272,39 +272,90 @@ def test_store_saves_planes_ref_objects_that_a_new_reader_stages() -> None:
         num_layers=layers,
         layout="test",
     )
+    settings = {"bucket": "test", "manifest_refresh_interval": 0, "io_threads": 1}
+    return KVStore.open(
+        S3KVConfig.load(environ={}, codec=codec_name, **settings),
+        identity,
+        backend=backend,
+        allocator=NumpyAllocator(),
+        pool=IOPool(0),
+        start_background=False,
+    )
 
-    def open_store() -> KVStore:
-        settings = {"bucket": "test", "manifest_refresh_interval": 0, "io_threads": 1}
-        return KVStore.open(
-            S3KVConfig.load(environ={}, codec="planes-ref", **settings),
-            identity,
-            backend=backend,
-            allocator=NumpyAllocator(),
-            pool=IOPool(0),
-            start_background=False,
-        )
 
-    data = [kv_like(SHAPE, DType.BFLOAT16, seed) for seed in range(4)]
-    keys = chain_hashes(list(range(4 * tokens)), tokens)
-    writer = open_store()
+def save_chain(store: KVStore, keys: list[BlockHash], data: list[np.ndarray]) -> list[SaveStatus]:  # type: ignore[type-arg]
     parent = ROOT_HASH
+    statuses = []
     for key, block in zip(keys, data, strict=True):
-        status = writer.save(key, parent, block, dtype="bfloat16", shape=SHAPE)
-        assert status is SaveStatus.QUEUED
+        statuses.append(store.save(key, parent, block, dtype="bfloat16", shape=SHAPE))
         parent = key
-    assert writer.flush(timeout=10)
-    writer.close()
+    assert store.flush(timeout=10)
+    return statuses
+
+
+def block_headers(backend: MemoryBackend) -> list[codec.Header]:
     blobs = [backend.get(o.key) for o in backend.list("")]
-    headers = [codec.read_header(b) for b in blobs if b and b[:6] == codec.MAGIC + b"\x01\x00"]
+    return [codec.read_header(b) for b in blobs if b and b[:6] == codec.MAGIC + b"\x01\x00"]
+
+
+def test_store_saves_planes_ref_objects_that_a_new_reader_stages() -> None:
+    backend = MemoryBackend()
+    data = [kv_like(SHAPE, DType.BFLOAT16, seed) for seed in range(4)]
+    keys = chain_hashes(list(range(4 * SHAPE[3])), SHAPE[3])
+    writer = open_store(backend)
+    assert save_chain(writer, keys, data) == [SaveStatus.QUEUED] * 4
+    writer.close()
+    headers = block_headers(backend)
     assert [h.codec for h in headers] == [CodecId.PLANES_REF] * 4
     assert {h.shape for h in headers} == {SHAPE}
-    reader = open_store()
+    reader = open_store(backend)
     assert reader.prefetch(keys) == 4
     assert reader.wait_staged(keys, timeout=5) == 4
     for key, block in zip(keys, data, strict=True):
         staged = reader.staged(key)
         assert staged is not None
         assert staged.tobytes() == block.tobytes()
+
+
+def test_a_release_without_planes_ref_rewrites_its_blocks_once_and_both_then_hit(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # During a rolling upgrade, instances of the previous release share the bucket. Their
+    # read_header knows no codec 3: such an object is an unsupported version to them, a
+    # miss they quarantine and overwrite with PLANES_ZSTD when they save the block. The new
+    # release reads PLANES_ZSTD, never rewrites it, so the bucket settles, without thrash.
+    backend = MemoryBackend()
+    data = [kv_like(SHAPE, DType.BFLOAT16, seed) for seed in range(3)]
+    keys = chain_hashes(list(range(3 * SHAPE[3])), SHAPE[3])
+    new = open_store(backend)
+    save_chain(new, keys, data)
+    new.close()
+
+    read_header = codec.read_header
+
+    def previous_release(blob: bytes) -> codec.Header:
+        if bytes(blob[10:11]) == bytes([CodecId.PLANES_REF]):
+            raise UnsupportedVersionError("unknown codec 3 or dtype code 2")
+        return read_header(blob)
+
+    with monkeypatch.context() as old_release:
+        old_release.setattr(codec, "read_header", previous_release)
+        old = open_store(backend, "planes-zstd")
+        assert old.prefetch(keys) == 3
+        assert old.wait_staged(keys, timeout=5) == 0
+        assert old.metrics.value("corrupt_objects", kind="unsupported_version") == 3
+        assert save_chain(old, keys, data) == [SaveStatus.QUEUED] * 3
+        old.close()
+    assert [h.codec for h in block_headers(backend)] == [CodecId.PLANES_ZSTD] * 3
+
+    for _ in range(2):
+        again = open_store(backend)
+        assert again.prefetch(keys) == 3
+        assert again.wait_staged(keys, timeout=5) == 3
+        assert [again.staged(k).tobytes() for k in keys] == [b.tobytes() for b in data]  # type: ignore[union-attr]
+        assert save_chain(again, keys, data) == [SaveStatus.SKIPPED] * 3
+        again.close()
+    assert [h.codec for h in block_headers(backend)] == [CodecId.PLANES_ZSTD] * 3
 
 
 def test_the_trtllm_worker_derives_the_shape_from_the_model_config(tmp_path: Path) -> None:

@@ -128,15 +128,19 @@ def test_redeploy_through_codec_processes(
     assert not any(name.startswith("corrupt_objects") for name in b.metrics)
 
 
-def test_redeploy_with_the_planes_ref_codec(
+@pytest.mark.parametrize("setting", [None, "planes-zstd"], ids=["default", "planes-zstd"])
+def test_redeploy_writes_the_configured_codec(
     bucket: str,
     seaweedfs: LocalS3,
     prompts: dict[str, tuple[int, ...]],
     monkeypatch: pytest.MonkeyPatch,
+    setting: str | None,
 ) -> None:
     # The connector records (layers, 2, heads, tokens_per_block, head_dim) blocks, so the
-    # setting takes effect end to end (with the pool's 4-D shape it would be PLANES_ZSTD).
-    monkeypatch.setenv("TLLM_S3KV_CODEC", "planes-ref")
+    # default PLANES_REF takes effect end to end (with the pool's 4-D shape it would write
+    # PLANES_ZSTD); planes-zstd, the previous default, stays one setting away.
+    if setting is not None:
+        monkeypatch.setenv("TLLM_S3KV_CODEC", setting)
     assert_redeploy_hits(prompts)
     from s3kv import codec
 
@@ -148,7 +152,8 @@ def test_redeploy_with_the_planes_ref_codec(
         if "/blocks/" in obj["Key"]
     ]
     assert len(headers) >= SYSTEM_BLOCKS
-    assert {h.codec for h in headers} == {codec.CodecId.PLANES_REF}
+    written = codec.CodecId.PLANES_ZSTD if setting else codec.CodecId.PLANES_REF
+    assert {h.codec for h in headers} == {written}
     assert {len(h.shape) for h in headers} == {5}
 
 
