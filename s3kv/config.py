@@ -435,10 +435,10 @@ class S3KVConfig:
         check=_check_cpus,
     )
     codec: CodecName = _plain(
-        "planes-ref",
-        "Block codec: planes-ref (byte planes, each exponent byte coded against its channel's "
-        "largest over the block's tokens: needs the connector's 5-D block shape, else "
-        "planes-zstd), planes-zstd, zstd or raw.",
+        "planes-zstd",
+        "Block codec: planes-zstd, planes-ref (planes-zstd with each exponent byte coded "
+        "against its channel's largest over the block's tokens: needs the connector's 5-D "
+        "block shape, else planes-zstd), zstd or raw.",
         choices=("planes-zstd", "planes-ref", "zstd", "raw"),
     )
     compression_level: int = _plain(

@@ -320,10 +320,10 @@ def test_store_saves_planes_ref_objects_that_a_new_reader_stages() -> None:
 def test_a_release_without_planes_ref_rewrites_its_blocks_once_and_both_then_hit(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    # During a rolling upgrade, instances of the previous release share the bucket. Their
-    # read_header knows no codec 3: such an object is an unsupported version to them, a
-    # miss they quarantine and overwrite with PLANES_ZSTD when they save the block. The new
-    # release reads PLANES_ZSTD, never rewrites it, so the bucket settles, without thrash.
+    # Instances set to planes-ref share a bucket with instances of a release before it
+    # (a rolling upgrade). To those, codec 3 is an unsupported version: a miss they
+    # quarantine and overwrite with PLANES_ZSTD when they save the block. planes-ref
+    # instances read PLANES_ZSTD and never rewrite it, so the bucket settles, no thrash.
     backend = MemoryBackend()
     data = [kv_like(SHAPE, DType.BFLOAT16, seed) for seed in range(3)]
     keys = chain_hashes(list(range(3 * SHAPE[3])), SHAPE[3])

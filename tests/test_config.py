@@ -13,7 +13,7 @@ from s3kv.errors import ConfigError
 def test_defaults_are_valid() -> None:
     cfg = S3KVConfig.load(environ={})
     assert cfg.prefix == "s3kv"
-    assert cfg.codec == "planes-ref"
+    assert cfg.codec == "planes-zstd"
     assert cfg.compression_level == 1
     assert cfg.staging_bytes == 2 * 1024**3
 

@@ -128,7 +128,7 @@ def test_redeploy_through_codec_processes(
     assert not any(name.startswith("corrupt_objects") for name in b.metrics)
 
 
-@pytest.mark.parametrize("setting", [None, "planes-zstd"], ids=["default", "planes-zstd"])
+@pytest.mark.parametrize("setting", [None, "planes-ref"], ids=["default", "planes-ref"])
 def test_redeploy_writes_the_configured_codec(
     bucket: str,
     seaweedfs: LocalS3,
@@ -136,9 +136,9 @@ def test_redeploy_writes_the_configured_codec(
     monkeypatch: pytest.MonkeyPatch,
     setting: str | None,
 ) -> None:
-    # The connector records (layers, 2, heads, tokens_per_block, head_dim) blocks, so the
-    # default PLANES_REF takes effect end to end (with the pool's 4-D shape it would write
-    # PLANES_ZSTD); planes-zstd, the previous default, stays one setting away.
+    # The connector records (layers, 2, heads, tokens_per_block, head_dim) blocks, so
+    # planes-ref takes effect end to end (with the pool's 4-D shape it would write
+    # PLANES_ZSTD), and the default planes-zstd reads the same 5-D shape.
     if setting is not None:
         monkeypatch.setenv("TLLM_S3KV_CODEC", setting)
     assert_redeploy_hits(prompts)
@@ -152,7 +152,7 @@ def test_redeploy_writes_the_configured_codec(
         if "/blocks/" in obj["Key"]
     ]
     assert len(headers) >= SYSTEM_BLOCKS
-    written = codec.CodecId.PLANES_ZSTD if setting else codec.CodecId.PLANES_REF
+    written = codec.CodecId.PLANES_REF if setting else codec.CodecId.PLANES_ZSTD
     assert {h.codec for h in headers} == {written}
     assert {len(h.shape) for h in headers} == {5}
 
