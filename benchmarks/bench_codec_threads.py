@@ -66,7 +66,9 @@ from s3kv.keys import BlockHash
 from s3kv.staging import NumpyAllocator, StagingCache
 
 BLOCK_SHAPE = (30, 2, 64, 3, 64)  # SmolLM2: layers, kv, tokens, kv heads, head dim
-#: The same block as the connector records it (HND pages): PLANES_REF's geometry.
+#: The shape the connector records a block with (HND pages): PLANES_REF's geometry. The
+#: synthetic blocks are i.i.d., so only the label changes: its planes-ref figures are for
+#: speed and scaling, not ratio (bench_codec.py times it on real KV).
 HND_SHAPE = (30, 2, 3, 64, 64)
 #: Cases that take a PLANES_ZSTD object apart; they do not apply to other codecs.
 PLANES_ZSTD_PARTS = ("zstd_plane_decode", "plane_merge", "assemble")

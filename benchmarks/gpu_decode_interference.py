@@ -49,6 +49,7 @@ from gpu_ab import (
     build_model,
     connector_settings,
     executor_for,
+    model_dir,
     parse_shape,
     pool_blocks,
     prompts,
@@ -171,11 +172,12 @@ def main() -> int:
     llama = build_model(shape, "cuda", torch.bfloat16)
     blocks = 2 * pool_blocks({"prefix_tokens": PREFIX_TOKENS})
     graphs = args.cuda_graphs == "on"
+    path = model_dir(bucket, label, shape)
     with_connector = executor_for(
-        label, llama, connector=True, num_blocks=blocks, shape=shape, cuda_graphs=graphs
+        label, llama, connector=True, num_blocks=blocks, model_path=path, cuda_graphs=graphs
     )
     without = executor_for(
-        label, llama, connector=False, num_blocks=blocks, shape=shape, cuda_graphs=graphs
+        label, llama, connector=False, num_blocks=blocks, model_path=path, cuda_graphs=graphs
     )
     drawn = prompts(shape["vocab"], PREFIX_TOKENS, args.trials * len(variants))
     warm_up(with_connector, *drawn["warmup"]["writer"])

@@ -35,6 +35,7 @@ from gpu_ab import (
     build_model,
     connector_settings,
     executor_for,
+    model_dir,
     parse_shape,
     pool_blocks,
     prompts,
@@ -139,9 +140,10 @@ def main() -> int:
     timeline = Timeline()
     llama = build_model(shape, "cuda", torch.bfloat16)
     blocks = pool_blocks({"prefix_tokens": PREFIX_TOKENS})
+    path = model_dir(bucket, label, shape)
     executors = {
-        True: executor_for(label, llama, connector=True, num_blocks=blocks, shape=shape),
-        False: executor_for(label, llama, connector=False, num_blocks=blocks, shape=shape),
+        flag: executor_for(label, llama, connector=flag, num_blocks=blocks, model_path=path)
+        for flag in (True, False)
     }
     drawn = prompts(shape["vocab"], PREFIX_TOKENS, args.trials)
     for executor in executors.values():

@@ -33,8 +33,12 @@ PLANES_REF (:func:`encode_ref`), on the same KV as the connector hands it over (
 * References repeated over 16 tokens before the subtract: 68 vs 100-115 us per 1.47 MB block
   (numpy's inner loop spans 1 KiB instead of one head_dim's 64 bytes).
 * Measured: encode 0.78-0.86x, decode 0.82-0.96x PLANES_ZSTD's MB/s, best of 10-15
-  interleaved passes (a shared 2-vCPU box: +-5% from run to run). Transforming a group of
-  layers at a time (planes in L2 from shift to subtract) was slower: more numpy calls.
+  interleaved passes (a shared 2-vCPU box: +-5% from run to run); on one core of a 16-vCPU
+  Xeon VM (an H200 host): 0.80x and 0.94x. Over 8 threads it scales worse: decode 2.86x one
+  thread's against 3.83x (about twice the GIL-dropping numpy calls per block; the reference
+  planes' max and tiling are most of them); over 8 processes about alike (6.07x vs 5.16x).
+  Transforming a group of layers at a time (planes in L2 from shift to subtract) was slower:
+  more numpy calls.
 
 Threads (benchmarks/bench_codec_threads.py, 16-core Xeon VM, 8 threads vs one). Forked
 processes scale 7.6x on decode, but threads reached 1.5x: every call that drops the GIL
@@ -352,7 +356,8 @@ def encode_ref(data: U8, geometry: RefGeometry, hasher: Any) -> Layout | None:
     ref_rows = refs[: g.refs].reshape(g.channels, 1, g.head_dim)
     # NOTE: the reference leaves the sign bit out (the largest exponent bits): a residual
     # is then (reference - exponent bits) with the sign in bit 7 (1.4735 vs 1.461 unmasked).
-    masked = st.scratch("masked", n)[:n].reshape(rows.shape)
+    # NOTE: decode_ref's "low" scratch: a thread that saves and stages keeps one buffer.
+    masked = st.scratch("low", n)[:n].reshape(rows.shape)
     np.bitwise_and(rows, _EXPONENT_BITS, out=masked)
     _token_max(masked, ref_rows)
     _subtract_refs(st, refs, rows)

@@ -17,12 +17,12 @@ wire format, all integers little-endian::
     46      16       xxh3_128 of the UTF-8 object key this object was written under
     62      8        xxh3_64 of the payload (every section's stored bytes)
     70      8*ndim   u64 dims
-    ..      4        u32 nsections = planes * ceil(raw_len / chunk_len)
+    ..      4        u32 nsections = planes * ceil(raw_len / chunk_len) (PLANES_REF: below)
     ..      9*n      per section: u8 section codec (0 stored, 1 zstd frame), u64 stored length
     ..      4        u32 crc32 (zlib) of every header byte before it
     header_len ...   the sections' stored bytes, back to back, in table order
 
-Sections are chunk-major: for chunk c, the section(s) holding raw bytes
+Sections are chunk-major (except PLANES_REF's, below): for chunk c, the section(s) holding raw bytes
 ``[c * chunk_len, (c + 1) * chunk_len)``. With ``planes == 2`` (PLANES_ZSTD on a 2-byte
 dtype) chunk c has two sections: first the high bytes of its elements (bf16: sign and 7
 exponent bits, ~3 bits of entropy), then the low bytes (mantissa, ~8 bits: incompressible).
@@ -36,7 +36,7 @@ the references (one byte per (K/V, layer, head, dim) channel: the largest high b
 block's tokens), then the low bytes. A residual is ``reference - high byte`` (mod 256), so
 the exponent's distribution around its channel's scale is coded instead of the scales
 themselves. It is written only where its payload is shorter than the raw bytes (else RAW);
-any other shape or dtype is written as PLANES_ZSTD.
+a block of any other shape or dtype is written as PLANES_ZSTD would write it.
 
 :func:`decode` checks, in this order, each failure with its own error: magic
 (BadMagicError), version (UnsupportedVersionError), the header's length and crc32
@@ -245,7 +245,10 @@ def encode(
         dtype: Element type; with PLANES_ZSTD, 2-byte dtypes are split into byte planes and
             other dtypes get plain zstd.
         shape: Element shape; ``prod(shape) * dtype.itemsize`` must equal ``len(raw)``.
-        codec: Requested codec. RAW is written instead when compression does not pay.
+        codec: Requested codec. RAW is written instead when compression does not pay;
+            PLANES_REF needs a 2-byte dtype and a 5-D ``(layers, 2, heads, tokens,
+            head_dim)`` shape (see the module docstring), else the block is encoded as
+            PLANES_ZSTD would encode it.
         level: zstd level for plain zstd sections (the plane codec uses zstd's Huffman
             literal coder, which has no level).
 
@@ -448,8 +451,11 @@ def decode(
     """Verify an object completely and return its raw bytes.
 
     Nothing is allocated beyond ``raw_len`` of the verified header (none of it when ``out``
-    is given) plus fixed per-thread scratch. Any input bytes whatsoever either decode to the
-    exact bytes that were encoded under ``key`` or raise a :class:`~s3kv.errors.CodecError`.
+    is given) plus per-thread scratch: fixed for every codec but PLANES_REF, whose planes
+    are decoded whole into scratch of about ``raw_len`` bytes more, kept by the thread for
+    its next block up to :data:`~s3kv._zstd.MAX_KEPT_PAYLOAD` per buffer. Any input bytes
+    whatsoever either decode to the exact bytes that were encoded under ``key`` or raise a
+    :class:`~s3kv.errors.CodecError`.
 
     Args:
         blob: The whole object as stored.
@@ -504,7 +510,7 @@ def decode(
     ref = header.codec is CodecId.PLANES_REF
     geometry = _planes.ref_geometry(header.shape) if ref else None
     try:
-        if header.codec is CodecId.PLANES_REF and geometry is not None:
+        if geometry is not None:
             _planes.decode_ref(
                 header.sections, geometry, header.chunk_len, src, header.header_len, target, hasher
             )

@@ -358,7 +358,9 @@ def test_a_release_without_planes_ref_rewrites_its_blocks_once_and_both_then_hit
     assert [h.codec for h in block_headers(backend)] == [CodecId.PLANES_ZSTD] * 3
 
 
-def test_the_trtllm_worker_derives_the_shape_from_the_model_config(tmp_path: Path) -> None:
+def test_the_trtllm_worker_derives_the_shape_from_the_model_config(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     from s3kv.connector import trtllm
 
     (tmp_path / "config.json").write_text(
@@ -367,7 +369,15 @@ def test_the_trtllm_worker_derives_the_shape_from_the_model_config(tmp_path: Pat
     kv_cache = SimpleNamespace(tokens_per_block=32)
     args = SimpleNamespace(model=str(tmp_path), kv_cache_config=kv_cache)
     pool = SimpleNamespace(shape=(100, 30, 2, 3 * 32 * 64))
-    assert trtllm._block_shape(args, pool) == (30, 2, 3, 32, 64)
+    assert trtllm._block_shape(args, pool, "planes-ref") == (30, 2, 3, 32, 64)
+    assert not caplog.records
     (tmp_path / "config.json").write_text(json.dumps({"head_dim": 128}))
-    assert trtllm._block_shape(args, pool) is None  # 6144 elements are not k * 32 * 128
-    assert trtllm._block_shape(SimpleNamespace(model=None), pool) is None
+    assert trtllm._block_shape(args, pool, "planes-zstd") is None  # 6144 is not k * 32 * 128
+    assert not caplog.records  # NOTE: planes-zstd does not need the geometry
+    assert trtllm._block_shape(args, pool, "planes-ref") is None
+    assert trtllm._block_shape(SimpleNamespace(model="org/hub-id"), pool, "planes-ref") is None
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert len(warnings) == 2
+    assert all("written as planes-zstd" in w for w in warnings)
+    assert "head_dim 128" in warnings[0]
+    assert "'org/hub-id' gives none" in warnings[1]

@@ -351,7 +351,7 @@ class S3KVConnectorWorker(WorkerBase):  # type: ignore[misc]
             kv,
             self.config.max_inflight_save_bytes,
             relay=relayed,
-            block_shape=_block_shape(self._llm_args, kv),
+            block_shape=_block_shape(self._llm_args, kv, self.config.codec),
         )
         return info
 
@@ -385,7 +385,7 @@ class S3KVConnectorWorker(WorkerBase):  # type: ignore[misc]
                 shards_on.stores[0],
                 self._kv,
                 self.config.max_inflight_save_bytes,
-                block_shape=_block_shape(self._llm_args, self._kv),
+                block_shape=_block_shape(self._llm_args, self._kv, self.config.codec),
             )
             core.board = scheduler.core.board
             self._start_walks = shards_on.start_walks
@@ -526,17 +526,31 @@ def _num_attention_layers(llm_args: Any) -> int | None:
     return int(layers) if isinstance(layers, int) else None
 
 
-def _block_shape(llm_args: Any, kv: Any) -> tuple[int, ...] | None:
+def _block_shape(llm_args: Any, kv: Any, codec: str) -> tuple[int, ...] | None:
     """The 5-D block shape the codec's PLANES_REF needs (see :func:`block_geometry`), from
-    the model's head_dim (or hidden_size / num_attention_heads) and tokens_per_block."""
+    the model's head_dim (or hidden_size / num_attention_heads) and tokens_per_block.
+
+    Where there is none and ``codec`` is planes-ref, one warning says so: the blocks are then
+    written as PLANES_ZSTD (the same bytes back, a smaller ratio).
+    """
     data = _model_config(llm_args)
     head_dim = data.get("head_dim")
     hidden, heads = data.get("hidden_size"), data.get("num_attention_heads")
     if not isinstance(head_dim, int) and isinstance(hidden, int) and isinstance(heads, int):
         head_dim = hidden // heads if heads > 0 else None
-    if not isinstance(head_dim, int):
-        return None
-    return block_geometry(tuple(kv.shape), _tokens_per_block(llm_args), head_dim)
+    shape = None
+    if isinstance(head_dim, int):
+        shape = block_geometry(tuple(kv.shape), _tokens_per_block(llm_args), head_dim)
+    if shape is None and codec == "planes-ref":
+        logger.warning(
+            "s3kv: codec planes-ref needs the head size from the model folder's config.json "
+            "(head_dim, or hidden_size and num_attention_heads) to divide the KV pool's "
+            "blocks %s; model %r gives %s, so blocks are written as planes-zstd",
+            tuple(kv.shape[1:]),
+            getattr(llm_args, "model", None),
+            f"head_dim {head_dim}" if isinstance(head_dim, int) else "none",
+        )
+    return shape
 
 
 __all__ = [

@@ -325,7 +325,8 @@ def _check(reader: _Reader, item: tuple[str, BlockObject]) -> Finding | str:
 def _examine(reader: _Reader, key: str, fingerprint: str, listed_size: int) -> Finding | str:
     """Read ``key`` once and judge it: ``"ok"``, ``"gone"`` or a :class:`Finding`.
 
-    Nothing is allocated beyond one block's raw bytes (see the module).
+    Nothing is allocated beyond one block's raw bytes (see the module), and for a PLANES_REF
+    object the codec's per-thread scratch, about as much again (:func:`~s3kv.codec.decode`).
     """
     raw_len = reader.raw_sizes.get(fingerprint)
     bound = raw_len if raw_len is not None else MAX_UNKNOWN_RAW
