@@ -34,9 +34,9 @@ PLANES_REF (:func:`encode_ref`), on the same KV as the connector hands it over (
   (numpy's inner loop spans 1 KiB instead of one head_dim's 64 bytes).
 * Measured: encode 0.78-0.86x, decode 0.82-0.96x PLANES_ZSTD's MB/s, best of 10-15
   interleaved passes (a shared 2-vCPU box: +-5% from run to run); on one core of a 16-vCPU
-  Xeon VM (an H200 host): 0.80x and 0.94x. Over 8 threads it scales worse: decode 2.86x one
-  thread's against 3.83x (about twice the GIL-dropping numpy calls per block; the reference
-  planes' max and tiling are most of them); over 8 processes about alike (6.07x vs 5.16x).
+  Xeon VM (an H200 host): 0.82x and 0.95x. Over 8 threads (each numpy call a GIL hand-off)
+  decode 4,512 vs 4,473 MB/s, encode 2,703 vs 3,263 MB/s; with the references tiled by a
+  doubling loop (five calls, not one) decode had scaled 2.86x one thread's against 3.83x.
   Transforming a group of layers at a time (planes in L2 from shift to subtract) was slower:
   more numpy calls.
 
