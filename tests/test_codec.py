@@ -424,7 +424,15 @@ def test_random_bytes_raise_codec_errors(data: bytes) -> None:
 def test_mutated_objects_raise_codec_errors_or_decode_exactly(
     edits: list[tuple[int, int]], seal: str, cut: int
 ) -> None:
-    corrupt = bytearray(SAMPLE)
+    assert_mutation_is_caught(SAMPLE, SAMPLE_RAW, edits, seal, cut)
+
+
+def assert_mutation_is_caught(
+    sample: bytes, raw: bytes, edits: list[tuple[int, int]], seal: str, cut: int
+) -> None:
+    """``sample`` (an object of ``raw`` under KEY) with bytes flipped by ``edits``, sometimes
+    truncated (``cut``) and resealed (``seal``): a CodecError, or exactly ``raw``."""
+    corrupt = bytearray(sample)
     for offset, xor in edits:
         corrupt[offset % len(corrupt)] ^= xor
     if cut % 4 == 0:  # sometimes also truncate the payload
@@ -436,7 +444,7 @@ def test_mutated_objects_raise_codec_errors_or_decode_exactly(
         out = codec.decode(candidate, key=KEY)
     except CodecError:
         return
-    assert bytes(out) == SAMPLE_RAW
+    assert bytes(out) == raw
 
 
 def _imported_modules(module: object) -> Iterator[str]:
