@@ -128,20 +128,29 @@ def test_redeploy_through_codec_processes(
     assert not any(name.startswith("corrupt_objects") for name in b.metrics)
 
 
-@pytest.mark.parametrize("setting", [None, "planes-ref"], ids=["default", "planes-ref"])
+@pytest.mark.parametrize(
+    ("setting", "tp_size", "processes"),
+    [(None, 1, 0), ("planes-ref", 1, 0), ("planes-ref", 2, 2)],
+    ids=["default", "planes-ref", "planes-ref-tp2-codec-processes"],
+)
 def test_redeploy_writes_the_configured_codec(
     bucket: str,
     seaweedfs: LocalS3,
     prompts: dict[str, tuple[int, ...]],
     monkeypatch: pytest.MonkeyPatch,
     setting: str | None,
+    tp_size: int,
+    processes: int,
 ) -> None:
     # The connector records (layers, 2, heads, tokens_per_block, head_dim) blocks, so
     # planes-ref takes effect end to end (with the pool's 4-D shape it would write
-    # PLANES_ZSTD), and the default planes-zstd reads the same 5-D shape.
+    # PLANES_ZSTD), and the default planes-zstd reads the same 5-D shape. Codec processes
+    # encode and decode it too, and each rank's shard has its own heads.
     if setting is not None:
         monkeypatch.setenv("TLLM_S3KV_CODEC", setting)
-    assert_redeploy_hits(prompts)
+    monkeypatch.setenv("TLLM_S3KV_CODEC_PROCESSES", str(processes))
+    _, warm = assert_redeploy_hits(prompts, tp_size=tp_size)
+    assert not any(name.startswith("corrupt_objects") for name in warm.metrics)
     from s3kv import codec
 
     client = seaweedfs.client()
