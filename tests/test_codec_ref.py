@@ -351,21 +351,29 @@ def test_the_trtllm_worker_derives_the_shape_from_the_model_config(
 ) -> None:
     from s3kv.connector import trtllm
 
+    pool = SimpleNamespace(shape=(100, 30, 2, 3 * 32 * 64))
+
+    def shape(args: SimpleNamespace, codec_name: str) -> tuple[int, ...] | None:
+        return trtllm._block_shape(args, trtllm._read_model_config(args), pool, codec_name)
+
     (tmp_path / "config.json").write_text(
         json.dumps({"hidden_size": 576, "num_attention_heads": 9, "num_key_value_heads": 3})
     )
     kv_cache = SimpleNamespace(tokens_per_block=32)
     args = SimpleNamespace(model=str(tmp_path), kv_cache_config=kv_cache)
-    pool = SimpleNamespace(shape=(100, 30, 2, 3 * 32 * 64))
-    assert trtllm._block_shape(args, pool, "planes-ref") == (30, 2, 3, 32, 64)
+    assert shape(args, "planes-ref") == (30, 2, 3, 32, 64)
     assert not caplog.records
+    # NOTE: another attention backend may lay blocks out NHD: no HND geometry claimed
+    flashinfer = SimpleNamespace(**vars(args), attn_backend="FLASHINFER")
+    assert shape(flashinfer, "planes-ref") is None
     (tmp_path / "config.json").write_text(json.dumps({"head_dim": 128}))
-    assert trtllm._block_shape(args, pool, "planes-zstd") is None  # 6144 is not k * 32 * 128
-    assert not caplog.records  # NOTE: planes-zstd does not need the geometry
-    assert trtllm._block_shape(args, pool, "planes-ref") is None
-    assert trtllm._block_shape(SimpleNamespace(model="org/hub-id"), pool, "planes-ref") is None
+    assert shape(args, "planes-zstd") is None  # 6144 is not k * 32 * 128
+    assert len(caplog.records) == 1  # NOTE: planes-zstd does not need the geometry
+    assert shape(args, "planes-ref") is None
+    assert shape(SimpleNamespace(model="org/hub-id"), "planes-ref") is None
     warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
-    assert len(warnings) == 2
+    assert len(warnings) == 3
     assert all("written as planes-zstd" in w for w in warnings)
-    assert "head_dim 128" in warnings[0]
-    assert "'org/hub-id' gives none" in warnings[1]
+    assert "backend FLASHINFER" in warnings[0]
+    assert "head_dim 128" in warnings[1]
+    assert "'org/hub-id' gives none" in warnings[2]

@@ -7,7 +7,9 @@ another thread and hand their bytes to the store. CUDA only (skipped elsewhere).
 
 from __future__ import annotations
 
+import gc
 import time
+import weakref
 
 import pytest
 import torch
@@ -43,3 +45,23 @@ def test_the_idle_saver_copies_the_last_requests_blocks_from_its_own_thread() ->
         assert core.finished([]) == [1]
     finally:
         core.close()
+
+
+def test_a_closed_core_is_not_kept_alive_by_its_exit_hook() -> None:
+    # The idle saver's exit hook (atexit) holds the core and its pool: closing drops it, so
+    # a process that makes connectors again and again does not keep every pool alive.
+    pool = torch.zeros(4, 2, 2, 1024, device="cuda", dtype=torch.bfloat16)
+    core = WorkerCore(
+        0, Store(), pool, 1 << 20, board=CompletionBoard.private(),  # type: ignore[arg-type]
+        idle_save_after=0.05,
+    )  # fmt: skip
+    with torch.cuda.device(pool.device):
+        core.forward_done()
+        core.save_after_forward(saves(1, [2]), torch.cuda.current_stream(pool.device))
+    assert core._idle_saver is not None  # NOTE: started by the first deferred save
+    alive = weakref.ref(core)
+    core.close()
+    core.close()  # NOTE: idempotent
+    del core
+    gc.collect()
+    assert alive() is None

@@ -248,6 +248,7 @@ class S3KVConnectorWorker(WorkerBase):  # type: ignore[misc]
 
     def __init__(self, llm_args: Any) -> None:
         self._llm_args = llm_args
+        self._model_json: dict[str, Any] | None = None  # NOTE: read once, when first needed
         self.off_reason = ""
         self.core: WorkerCore | None = None
         self._collectives: Collectives | None = None
@@ -351,7 +352,7 @@ class S3KVConnectorWorker(WorkerBase):  # type: ignore[misc]
             kv,
             self.config.max_inflight_save_bytes,
             relay=relayed,
-            block_shape=_block_shape(self._llm_args, kv, self.config.codec),
+            block_shape=self._block_shape(kv, self.config.codec),
         )
         return info
 
@@ -385,7 +386,7 @@ class S3KVConnectorWorker(WorkerBase):  # type: ignore[misc]
                 shards_on.stores[0],
                 self._kv,
                 self.config.max_inflight_save_bytes,
-                block_shape=_block_shape(self._llm_args, self._kv, self.config.codec),
+                block_shape=self._block_shape(self._kv, self.config.codec),
             )
             core.board = scheduler.core.board
             self._start_walks = shards_on.start_walks
@@ -449,7 +450,7 @@ class S3KVConnectorWorker(WorkerBase):  # type: ignore[misc]
             return dtype_problem
         if not kv.is_contiguous():
             return "KV pool is not contiguous"
-        expected = _num_attention_layers(self._llm_args)
+        expected = _num_attention_layers(self._model_config())
         if expected is not None and int(kv.shape[1]) != expected:
             return (
                 f"KV pool holds {kv.shape[1]} layers but the model has {expected}: several "
@@ -461,6 +462,15 @@ class S3KVConnectorWorker(WorkerBase):  # type: ignore[misc]
         if windows and len(set(windows)) > 1:
             return "variable sliding-window attention (VSWA) is not supported"
         return ""
+
+    def _model_config(self) -> dict[str, Any]:
+        """The model folder's config.json (:func:`_read_model_config`), read once."""
+        if self._model_json is None:
+            self._model_json = _read_model_config(self._llm_args)
+        return self._model_json
+
+    def _block_shape(self, kv: Any, codec: str) -> tuple[int, ...] | None:
+        return _block_shape(self._llm_args, self._model_config(), kv, codec)
 
     @_guarded(lambda *a, **k: None)
     def start_load_kv(self, stream: Any) -> None:
@@ -504,7 +514,7 @@ class S3KVConnectorWorker(WorkerBase):  # type: ignore[misc]
         return self.core.finished(finished_gen_req_ids), list(started_loading_req_ids)
 
 
-def _model_config(llm_args: Any) -> dict[str, Any]:
+def _read_model_config(llm_args: Any) -> dict[str, Any]:
     """The model's config.json, or {} where it is not readable."""
     import json
     from pathlib import Path
@@ -520,33 +530,44 @@ def _model_config(llm_args: Any) -> dict[str, Any]:
     return data if isinstance(data, dict) else {}
 
 
-def _num_attention_layers(llm_args: Any) -> int | None:
-    """The model's decoder layer count from its config.json, when readable."""
-    layers = _model_config(llm_args).get("num_hidden_layers")
+def _num_attention_layers(model_config: dict[str, Any]) -> int | None:
+    """The model's decoder layer count from its config.json, when it gives one."""
+    layers = model_config.get("num_hidden_layers")
     return int(layers) if isinstance(layers, int) else None
 
 
-def _block_shape(llm_args: Any, kv: Any, codec: str) -> tuple[int, ...] | None:
+def _block_shape(
+    llm_args: Any, model_config: dict[str, Any], kv: Any, codec: str
+) -> tuple[int, ...] | None:
     """The 5-D block shape the codec's PLANES_REF needs (see :func:`block_geometry`), from
     the model's head_dim (or hidden_size / num_attention_heads) and tokens_per_block.
 
-    Where there is none and ``codec`` is planes-ref, one warning says so: the blocks are then
-    written as PLANES_ZSTD (the same bytes back, a smaller ratio).
+    Only for the TRTLLM attention backend (TensorRT-LLM's default): its kernels lay each
+    block's K and V out ``[numHeads, tokensPerBlock, hiddenSizePerHead]``
+    (``KVBlockArray::getKVLocalIdx``, ``cpp/tensorrt_llm/kernels/kvCacheUtils.h``
+    @``deaae40b``), while other backends may not (``KVCacheManager.get_buffers`` offers NHD
+    and HND views because "different attention backend/implementation can have different KV
+    layouts", ``tensorrt_llm/_torch/pyexecutor/resource_manager.py`` in later versions than
+    @``d2a5560a``, whose view is NHD). Where there is no shape and ``codec`` is planes-ref,
+    one warning says so: the blocks are then written as PLANES_ZSTD (the same bytes back, a
+    smaller ratio).
     """
-    data = _model_config(llm_args)
-    head_dim = data.get("head_dim")
-    hidden, heads = data.get("hidden_size"), data.get("num_attention_heads")
+    backend = str(getattr(llm_args, "attn_backend", "TRTLLM") or "TRTLLM")
+    head_dim = model_config.get("head_dim")
+    hidden, heads = model_config.get("hidden_size"), model_config.get("num_attention_heads")
     if not isinstance(head_dim, int) and isinstance(hidden, int) and isinstance(heads, int):
         head_dim = hidden // heads if heads > 0 else None
     shape = None
-    if isinstance(head_dim, int):
+    if backend.upper() == "TRTLLM" and isinstance(head_dim, int):
         shape = block_geometry(tuple(kv.shape), _tokens_per_block(llm_args), head_dim)
     if shape is None and codec == "planes-ref":
         logger.warning(
-            "s3kv: codec planes-ref needs the head size from the model folder's config.json "
-            "(head_dim, or hidden_size and num_attention_heads) to divide the KV pool's "
-            "blocks %s; model %r gives %s, so blocks are written as planes-zstd",
+            "s3kv: codec planes-ref needs the TRTLLM attention backend's block layout and "
+            "the head size from the model folder's config.json (head_dim, or hidden_size "
+            "and num_attention_heads) to divide the KV pool's blocks %s; backend %s, model "
+            "%r gives %s, so blocks are written as planes-zstd",
             tuple(kv.shape[1:]),
+            backend,
             getattr(llm_args, "model", None),
             f"head_dim {head_dim}" if isinstance(head_dim, int) else "none",
         )

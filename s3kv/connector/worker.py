@@ -110,8 +110,10 @@ def block_geometry(
     pool_shape: Sequence[int], tokens_per_block: int, head_dim: int | None
 ) -> tuple[int, ...] | None:
     """``(layers, 2, heads, tokens_per_block, head_dim)`` of one block of a
-    ``[blocks, layers, 2, heads * tokens_per_block * head_dim]`` pool (TensorRT-LLM's HND
-    pages), or None where the sizes do not divide so (the codec then sees the pool's shape).
+    ``[blocks, layers, 2, heads * tokens_per_block * head_dim]`` pool whose blocks are laid
+    out HND (the TRTLLM attention backend's: ``KVBlockArray::getKVLocalIdx``,
+    ``cpp/tensorrt_llm/kernels/kvCacheUtils.h`` @``deaae40b``), or None where the sizes do
+    not divide so (the codec then sees the pool's shape).
     """
     if len(pool_shape) != 4 or head_dim is None or tokens_per_block < 1 or head_dim < 1:
         return None
@@ -641,6 +643,8 @@ class WorkerCore:
     def close(self) -> None:
         """Stop the idle saver (copies still waiting stay for :meth:`flush`). Idempotent."""
         self._closing.set()
+        # NOTE: the exit hook holds this core (and its pool): a closed core lets both go
+        atexit.unregister(self.close)
         saver = self._idle_saver
         if saver is not None and saver is not threading.current_thread():
             saver.join(timeout=5.0)
