@@ -223,18 +223,7 @@ def decode_chunks(sections: tuple[Section, ...], src: U8, at: int, target: U8, h
     Raises:
         FrameError: A zstd section is corrupt or decodes to the wrong length.
     """
-    st = _zstd.local()
-    pos = 0
-    for section in sections:
-        dst = target[pos : pos + section.raw_len]
-        piece = src[at : at + section.stored_len]
-        if section.codec is SectionCodec.ZSTD:
-            st.decompress_into(piece, dst)  # NOTE: straight into the caller's buffer
-        else:
-            dst[:] = piece
-        hasher.update(dst.data)
-        at += section.stored_len
-        pos += section.raw_len
+    _decode_run(_zstd.local(), sections, src, at, target, hasher)
 
 
 def decode_planes(sections: tuple[Section, ...], src: U8, at: int, target: U8, hasher: Any) -> None:
@@ -457,17 +446,29 @@ def decode_ref(
 
 
 def _decode_run(
-    st: _zstd.ThreadZstd, sections: tuple[Section, ...], src: U8, at: int, dst: U8
+    st: _zstd.ThreadZstd,
+    sections: tuple[Section, ...],
+    src: U8,
+    at: int,
+    dst: U8,
+    hasher: Any = None,
 ) -> int:
-    """Decode consecutive sections from ``src[at:]`` into ``dst`` back to back; returns
-    the offset in ``src`` after them."""
+    """Decode consecutive sections from ``src[at:]`` into ``dst`` back to back, each fed to
+    ``hasher`` (if any) while in cache; returns the offset in ``src`` after them.
+
+    Raises:
+        FrameError: A zstd section is corrupt or decodes to the wrong length.
+    """
     pos = 0
     for section in sections:
+        out = dst[pos : pos + section.raw_len]
         piece = src[at : at + section.stored_len]
         if section.codec is SectionCodec.ZSTD:
-            st.decompress_into(piece, dst[pos : pos + section.raw_len])
+            st.decompress_into(piece, out)  # NOTE: straight into the caller's buffer
         else:
-            dst[pos : pos + section.raw_len] = piece
+            out[:] = piece
+        if hasher is not None:
+            hasher.update(out.data)
         at += section.stored_len
         pos += section.raw_len
     return at

@@ -22,10 +22,11 @@ wire format, all integers little-endian::
     ..      4        u32 crc32 (zlib) of every header byte before it
     header_len ...   the sections' stored bytes, back to back, in table order
 
-Sections are chunk-major (except PLANES_REF's, below): for chunk c, the section(s) holding raw bytes
-``[c * chunk_len, (c + 1) * chunk_len)``. With ``planes == 2`` (PLANES_ZSTD on a 2-byte
-dtype) chunk c has two sections: first the high bytes of its elements (bf16: sign and 7
-exponent bits, ~3 bits of entropy), then the low bytes (mantissa, ~8 bits: incompressible).
+Sections are chunk-major (except PLANES_REF's, below): for chunk c, the section(s)
+holding raw bytes ``[c * chunk_len, (c + 1) * chunk_len)``. With ``planes == 2``
+(PLANES_ZSTD on a 2-byte dtype) chunk c has two sections: first the high bytes of its
+elements (bf16: sign and 7 exponent bits, ~3 bits of entropy), then the low bytes
+(mantissa, ~8 bits: incompressible).
 A section whose zstd frame would not be smaller than its raw bytes is stored as is; an
 object where no section pays is written with codec RAW.
 
