@@ -37,6 +37,13 @@ decode 3.1x, staging 3.6x, encode 3.1x; the 0.8 N target is not reached with the
 remaining serial parts: 15-17 GIL-dropping calls per block each way, ~30 us of Python per
 block, and encode's final 1 MB copy into its ``bytes`` result under the GIL (~40-50 us).
 
+Every section a frame (2026-11-29, ``codec_threads-h200-host-2026-11-29-framed.jsonl``, rows
+``version`` old/new interleaved in three rounds, ``procs``: the new code as processes): low
+planes in raw zstd frames and equal chunks let a reader decode a block's planes in one
+libzstd call and merge them in two numpy calls; context switches per decoded block at 8
+threads 16 -> 4.3, decode scaling 3.1-3.9x -> 5.3-5.9x (5,797-6,718 MB/s; processes 7,699),
+staging 3.6-3.9x -> 4.9-5.2x. Encode is unchanged.
+
 ``--codec planes-ref`` times the codec cases with PLANES_REF (blocks recorded with the
 connector's 5-D shape); rows name the codec.
 

@@ -17,6 +17,7 @@ zstd level 1 through the C extension (same wire format, encode 2-3x slower) and 
 
 from __future__ import annotations
 
+import functools
 import importlib
 import threading
 from types import ModuleType
@@ -40,6 +41,11 @@ MAX_KEPT_PAYLOAD: Final = 64 * 1024 * 1024
 _BLOCK: Final = 128 * 1024
 #: Readable bytes libzstd may touch past the end of the literals (its documented contract).
 _LITERAL_SLACK: Final = 8
+#: Bytes a :func:`raw_frame_header` adds in front of a stored plane: magic, a frame header
+#: with its content size, one block header.
+RAW_FRAME_OVERHEAD: Final = 12
+#: Largest plane one raw frame holds (one zstd block).
+MAX_RAW_FRAME: Final = _BLOCK
 
 
 def _load_cffi() -> tuple[Any, Any] | None:
@@ -62,6 +68,27 @@ def _load_cffi() -> tuple[Any, Any] | None:
 _CFFI: Final = _load_cffi()
 
 
+@functools.cache
+def raw_frame_header(n: int) -> U8:
+    """The first :data:`RAW_FRAME_OVERHEAD` bytes of a standard zstd frame that stores the
+    ``n`` bytes following it as they are (RFC 8878: a single-segment frame header with a
+    4-byte content size, then one raw block, flagged last). Any zstd decoder reads it;
+    unlike a stored section, it can be decoded in one libzstd call together with the
+    frames around it (see :mod:`s3kv._planes`).
+
+    Raises:
+        ValueError: ``n`` is outside 1..MAX_RAW_FRAME (a caller bug).
+    """
+    if not 0 < n <= MAX_RAW_FRAME:
+        raise ValueError(f"raw_frame_header: {n} bytes is not one zstd block (a caller bug)")
+    descriptor = 0b1010_0000  # content size in 4 bytes, single segment, no checksum
+    block = (n << 3) | 1  # raw block (type 0), last block
+    header = b"\x28\xb5\x2f\xfd" + bytes([descriptor]) + n.to_bytes(4, "little")
+    out = np.frombuffer(header + block.to_bytes(3, "little"), np.uint8)
+    out.flags.writeable = False
+    return out
+
+
 class FrameError(Exception):
     """A zstd frame could not be decoded into exactly the expected number of bytes."""
 
@@ -69,15 +96,16 @@ class FrameError(Exception):
 class ThreadZstd:
     """zstd contexts and scratch buffers owned by one thread; see :func:`local`.
 
-    Memory: ``PLANE_GROUP`` + 2 x ``MAX_ENTROPY_CHUNK`` of scratch plus the zstd contexts
+    Memory: 2 x ``PLANE_GROUP`` + 2 x ``MAX_ENTROPY_CHUNK`` of scratch plus the zstd contexts
     (~1 MiB at level 1), per thread that ever encoded or decoded; a thread that encoded also
     keeps a payload scratch the size of its largest object (up to ``MAX_KEPT_PAYLOAD``), and
     one that used PLANES_REF its named scratch planes (up to the same bound each).
     """
 
     def __init__(self) -> None:
-        #: One plane of a group of chunks (see :mod:`s3kv._planes`), plus libzstd's slack.
-        self.plane: U8 = np.empty(PLANE_GROUP + _LITERAL_SLACK, np.uint8)
+        #: One plane of a group of chunks, or both planes of a group decoded in one call
+        #: (see :mod:`s3kv._planes`), plus libzstd's slack.
+        self.plane: U8 = np.empty(2 * PLANE_GROUP + _LITERAL_SLACK, np.uint8)
         #: One plane of one chunk, plus libzstd's slack.
         self.plane2: U8 = np.empty(MAX_ENTROPY_CHUNK + _LITERAL_SLACK, np.uint8)
         self._payload: U8 = np.empty(0, np.uint8)
@@ -95,13 +123,13 @@ class ThreadZstd:
                 self._cctx, lib.ZSTD_c_blockDelimiters, lib.ZSTD_sf_explicitBlockDelimiters
             )
 
-    def payload(self, raw_len: int) -> U8:
-        """Scratch for the payload of a ``raw_len``-byte object: room for every section
-        stored raw plus one frame bound, so that :meth:`entropy_frame_into` can write at any
-        offset the encoder reaches. Reused by the thread's next call (up to
+    def payload(self, size: int) -> U8:
+        """Scratch for a payload of at most ``size`` bytes (every section stored raw, or in
+        a raw frame) plus one frame bound, so that :meth:`entropy_frame_into` can write at
+        any offset the encoder reaches. Reused by the thread's next call (up to
         ``MAX_KEPT_PAYLOAD`` bytes); the caller copies what it keeps before then.
         """
-        need = raw_len + FRAME_BOUND
+        need = size + FRAME_BOUND
         if self._payload.size >= need:
             return self._payload
         scratch = np.empty(need, np.uint8)

@@ -26,9 +26,14 @@ Sections are chunk-major (except PLANES_REF's, below): for chunk c, the section(
 holding raw bytes ``[c * chunk_len, (c + 1) * chunk_len)``. With ``planes == 2``
 (PLANES_ZSTD on a 2-byte dtype) chunk c has two sections: first the high bytes of its
 elements (bf16: sign and 7 exponent bits, ~3 bits of entropy), then the low bytes
-(mantissa, ~8 bits: incompressible).
-A section whose zstd frame would not be smaller than its raw bytes is stored as is; an
-object where no section pays is written with codec RAW.
+(mantissa, ~8 bits: incompressible). The writer picks ``chunk_len``: since 2026-11-29 it
+cuts an object into equal chunks of at most 256 KiB, where it used to cut 256 KiB ones.
+A section whose zstd frame would not be smaller than its raw bytes is stored as is, except
+incompressible low planes: since 2026-11-29 they go in raw zstd frames (12 bytes around the
+bytes themselves, a zstd section to any reader), so that every section of an object is a
+frame and a reader decodes a group of them in one call; objects with stored low planes
+are read too. An object whose payload would not be smaller than its raw bytes is written
+with codec RAW.
 
 PLANES_REF (2-byte dtypes, 5-D shape ``(layers, 2, heads, tokens, head_dim)``: the
 connector's block of an HND pool) has ``planes == 2`` and lays its sections out plane by
@@ -301,9 +306,9 @@ def max_object_len(raw_len: int) -> int:
     """Longest object :func:`encode` writes for ``raw_len`` raw bytes: a bound for reading
     one (``Backend.get(max_bytes=...)``).
 
-    Every section is stored at most as long as its raw bytes (a frame that does not shrink
-    them is stored as is; PLANES_REF, whose reference plane is extra, is written only when
-    its payload is shorter than the raw bytes), and the header is fixed fields, up to 32
+    A payload is at most as long as its raw bytes (a frame that does not shrink them is
+    stored as is; the plane codecs, whose raw frames and PLANES_REF's reference plane are
+    extra, are written only when the payload is shorter than the raw bytes), and the header is fixed fields, up to 32
     dims and 9 bytes per section: at most two per :data:`~s3kv._planes.PLANE_CHUNK`, or
     two and a half plus four with PLANES_REF (its references are at most half a plane).
     """
@@ -454,7 +459,8 @@ def decode(
     Nothing is allocated beyond ``raw_len`` of the verified header (none of it when ``out``
     is given) plus per-thread scratch: fixed for every codec but PLANES_REF, whose planes
     are decoded whole into scratch of about ``raw_len`` bytes more, kept by the thread for
-    its next block up to :data:`~s3kv._zstd.MAX_KEPT_PAYLOAD` per buffer. Any input bytes
+    its next block up to :data:`~s3kv._zstd.MAX_KEPT_PAYLOAD` per buffer (PLANES_ZSTD
+    decodes into the fixed scratch a group of chunks at a time). Any input bytes
     whatsoever either decode to the exact bytes that were encoded under ``key`` or raise a
     :class:`~s3kv.errors.CodecError`.
 

@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 import pytest
 import xxhash
+import zstandard
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -141,13 +142,55 @@ def test_incompressible_object_is_stored_raw() -> None:
 
 
 def test_planes_store_the_low_plane_raw_and_compress_the_high_plane() -> None:
-    raw = bf16_normal(300_000).tobytes()  # > one chunk, so several sections
-    header = codec.read_header(codec.encode(raw, key=KEY, dtype="bfloat16", shape=(300_000,)))
+    """The low plane (~8 bits of entropy) is not coded: each chunk's goes in a raw zstd frame,
+    12 bytes of frame around the bytes themselves, which any zstd decoder reads."""
+    words = bf16_normal(300_000)  # > one chunk, so several sections
+    blob = codec.encode(words, key=KEY, dtype="bfloat16", shape=(300_000,))
+    header = codec.read_header(blob)
     assert header.codec is CodecId.PLANES_ZSTD
     assert header.planes == 2
-    assert len(header.sections) == 2 * math.ceil(len(raw) / header.chunk_len) > 2
-    assert {s.codec for s in header.sections[0::2]} == {codec.SectionCodec.ZSTD}
-    assert {s.codec for s in header.sections[1::2]} == {codec.SectionCodec.STORED}
+    assert len(header.sections) == 2 * math.ceil(words.nbytes / header.chunk_len) > 2
+    assert {s.codec for s in header.sections} == {codec.SectionCodec.ZSTD}
+    at, step = header.header_len, header.chunk_len // 2
+    for i, section in enumerate(header.sections):
+        stored = blob[at : at + section.stored_len]
+        at += section.stored_len
+        if i % 2:
+            low = (words[i // 2 * step : (i // 2 + 1) * step] & 0xFF).astype(np.uint8)
+            assert section.stored_len == section.raw_len + _zstd.RAW_FRAME_OVERHEAD
+            assert stored[_zstd.RAW_FRAME_OVERHEAD :] == low.tobytes()
+            assert zstandard.ZstdDecompressor().decompress(stored) == low.tobytes()
+        else:
+            assert section.stored_len < section.raw_len / 2
+
+
+@pytest.mark.parametrize("n", [1, 5, 131_072, 131_073, 300_001, 737_280, 1 << 22])
+def test_chunks_are_as_few_as_the_limit_allows_and_equal(n: int) -> None:
+    """Equal chunks merge in one numpy call per operation (a short last chunk costs two more
+    hand-offs of the GIL per block): a SmolLM2 block (737,280 elements) is 6 x 240 KiB."""
+    step = _planes.chunk_elements(n)
+    count = -(-n // step)
+    assert 2 * step <= _planes.PLANE_CHUNK
+    assert count == -(-n // (_planes.PLANE_CHUNK // 2))
+    assert 0 <= step - (n - (count - 1) * step) < count
+    if n == 737_280:
+        blob = codec.encode(bf16_normal(n), key=KEY, dtype="bfloat16", shape=(n,))
+        assert codec.read_header(blob).chunk_len == 245_760
+
+
+@pytest.mark.parametrize("shape", [(300_000,), (1_300_001,), (3, 2, 4, 64, 64)])
+def test_objects_decode_frame_by_frame_as_earlier_releases_do(
+    shape: tuple[int, ...], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Earlier releases decode section by section (their low planes were stored sections,
+    which this release still reads): the objects written now decode the same way."""
+    words = bf16_normal(math.prod(shape), seed=3)
+    for requested in (CodecId.PLANES_ZSTD, CodecId.PLANES_REF):
+        blob = codec.encode(words, key=KEY, dtype="bfloat16", shape=shape, codec=requested)
+        assert bytes(codec.decode(blob, key=KEY)) == words.tobytes()
+        with monkeypatch.context() as patched:
+            patched.setattr(_zstd, "native", lambda: False)  # NOTE: no multi-frame calls
+            assert bytes(codec.decode(blob, key=KEY)) == words.tobytes()
 
 
 def test_other_dtypes_degrade_to_plain_zstd() -> None:
@@ -292,26 +335,30 @@ def test_forged_huge_raw_len_never_allocates(blob: bytes) -> None:
     assert header.raw_len == 6000
 
 
-def reference_planes_object(words: np.ndarray, key: str) -> bytes:
+def reference_planes_object(words: np.ndarray, key: str, *, low_frames: bool = True) -> bytes:
     """A bf16 object laid out by hand from the wire format in codec's docstring, with the
-    codec's own plane coder: the encoder's output must be exactly this."""
+    codec's own plane coder: the encoder's output must be exactly this. ``low_frames=False``
+    lays the low planes out as earlier releases wrote them: stored sections."""
     st_ = _zstd.local()
     frame = np.empty(_zstd.FRAME_BOUND, np.uint8)
     table, body = [], []
-    step = _planes.PLANE_CHUNK // 2
+    step = _planes.chunk_elements(words.size)
     for start in range(0, words.size, step):
         chunk = words[start : start + step]
         high = (chunk >> 8).astype(np.uint8)
         st_.plane2[: chunk.size] = high
         size = st_.entropy_frame_into(st_.plane2, chunk.size, frame, 0)
-        table += [(1, size) if size else (0, chunk.size), (0, chunk.size)]
-        body += [frame[:size].tobytes() if size else high.tobytes()]
-        body += [(chunk & 0xFF).astype(np.uint8).tobytes()]  # normal values: low plane raw
+        low = (chunk & 0xFF).astype(np.uint8).tobytes()  # normal values: low plane raw
+        if low_frames:  # NOTE: RFC 8878: magic, single segment with a 4-byte size, raw block
+            head = struct.pack("<IBI", 0xFD2FB528, 0xA0, chunk.size)
+            low = head + ((chunk.size << 3) | 1).to_bytes(3, "little") + low
+        table += [(1, size) if size else (0, chunk.size), (int(low_frames), len(low))]
+        body += [frame[:size].tobytes() if size else high.tobytes(), low]
     payload = b"".join(body)
     head = struct.pack(
         "<4sHIBBBBQQ16s16s8sQI",
         b"S3KV", 1, 70 + 8 + 4 + 9 * len(table) + 4, CodecId.PLANES_ZSTD, DType.BFLOAT16.code,
-        1, 2, _planes.PLANE_CHUNK, words.nbytes, xxhash.xxh3_128_digest(words.tobytes()),
+        1, 2, 2 * step, words.nbytes, xxhash.xxh3_128_digest(words.tobytes()),
         xxhash.xxh3_128_digest(key.encode()), xxhash.xxh3_64_digest(payload), words.size,
         len(table),
     )  # fmt: skip
@@ -328,6 +375,8 @@ def test_plane_objects_match_the_wire_format_byte_for_byte(
         words = bf16_normal(n, seed=n)
         blob = codec.encode(words, key=KEY, dtype=DType.BFLOAT16, shape=(n,))
         assert blob == reference_planes_object(words, KEY)
+        earlier = reference_planes_object(words, KEY, low_frames=False)
+        assert bytes(codec.decode(earlier, key=KEY)) == words.tobytes()
 
 
 # -- threads: nothing that serializes codec threads ---------------------------------------
