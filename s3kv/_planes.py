@@ -417,9 +417,9 @@ def encode_ref(data: U8, geometry: RefGeometry, hasher: Any) -> Layout | None:
     from its channel's reference: the largest high byte over the block's tokens of that
     (layer, K/V, head, dim). K and V residuals, then the references, are Huffman-coded in
     pieces of ``PLANE_CHUNK // 2`` bytes; the low bytes follow, in raw frames unless a
-    probe shows they compress. Feeds every raw byte to ``hasher``. Returns None when the payload
-    would not be smaller than the raw bytes. The layout's one piece is the calling thread's
-    payload scratch: copy it before the thread encodes again.
+    probe shows they compress. Feeds every raw byte to ``hasher``. Returns None when the
+    payload would not be smaller than the raw bytes. The layout's one piece is the calling
+    thread's payload scratch: copy it before the thread encodes again.
     """
     st = _zstd.local()
     words = data.view("<u2")

@@ -308,9 +308,10 @@ def max_object_len(raw_len: int) -> int:
 
     A payload is at most as long as its raw bytes (a frame that does not shrink them is
     stored as is; the plane codecs, whose raw frames and PLANES_REF's reference plane are
-    extra, are written only when the payload is shorter than the raw bytes), and the header is fixed fields, up to 32
-    dims and 9 bytes per section: at most two per :data:`~s3kv._planes.PLANE_CHUNK`, or
-    two and a half plus four with PLANES_REF (its references are at most half a plane).
+    extra, are written only when the payload is shorter than the raw bytes), and the
+    header is fixed fields, up to 32 dims and 9 bytes per section: at most two per
+    :data:`~s3kv._planes.PLANE_CHUNK`, or two and a half plus four with PLANES_REF (its
+    references are at most half a plane).
     """
     sections = 3 * -(-raw_len // _planes.PLANE_CHUNK) + 4
     return raw_len + _MIN_HEADER + 8 * _MAX_NDIM + _SECTION.size * sections
