@@ -86,8 +86,9 @@ from s3kv import _zstd
 
 U8 = npt.NDArray[np.uint8]
 
-#: Raw bytes per chunk of a byte-plane object: each plane section is one 128 KiB zstd
-#: block, and a chunk's planes plus its output (512 KiB) stay in L2 while merged.
+#: Most raw bytes per chunk of a byte-plane object: each plane section is at most one
+#: 128 KiB zstd block (a raw frame holds one: ``_zstd.MAX_RAW_FRAME``), and a chunk's planes
+#: plus its output (512 KiB) stay in L2 while merged.
 PLANE_CHUNK: Final = 256 * 1024
 #: Raw bytes per chunk of plain zstd: level 1's window is 512 KiB, so 4 MiB frames cost no
 #: ratio and bound the work of one call.
@@ -181,7 +182,8 @@ def encode_planes(data: U8, hasher: Any) -> Layout | None:
     st = _zstd.local()
     words = data.view("<u2")
     step = chunk_elements(words.size)
-    payload = st.payload(data.size + _zstd.RAW_FRAME_OVERHEAD * -(-words.size // step))
+    frames = 2 * -(-words.size // step)  # NOTE: at most, if no plane compressed
+    payload = st.payload(data.size + _zstd.RAW_FRAME_OVERHEAD * frames)
     sections: list[tuple[SectionCodec, int]] = []
     at = 0
     # NOTE: bf16/fp16 low bytes carry ~8 bits of entropy. libzstd only rejects a plane
@@ -228,20 +230,19 @@ def _group(step: int) -> int:
 def _add_plane(
     st: _zstd.ThreadZstd, plane: U8, n: int, payload: U8, at: int, sections: list[Any]
 ) -> int:
-    """Append ``plane[:n]`` to ``payload`` at ``at`` as a frame, or raw where that is not
-    smaller; returns the new end."""
+    """Append ``plane[:n]`` to ``payload`` at ``at`` as a Huffman-coded frame, or as a raw
+    frame where that is not smaller (every section of a plane object is then a frame: see
+    :func:`decode_planes`); returns the new end."""
     size = st.entropy_frame_into(plane, n, payload, at)
     if size:
         sections.append((SectionCodec.ZSTD, size))
         return at + size
-    payload[at : at + n] = plane[:n]
-    sections.append((SectionCodec.STORED, n))
-    return at + n
+    return _add_raw_frame(plane, n, payload, at, sections)
 
 
 def _add_raw_frame(words: Any, n: int, payload: U8, at: int, sections: list[Any]) -> int:
-    """Append the low bytes of ``words[:n]`` to ``payload`` at ``at`` as a raw zstd frame
-    (:func:`s3kv._zstd.raw_frame_header`); returns the new end."""
+    """Append the low bytes of ``words[:n]`` (bytes, or 16-bit elements) to ``payload`` at
+    ``at`` as a raw zstd frame (:func:`s3kv._zstd.raw_frame_header`); returns the new end."""
     header = _zstd.raw_frame_header(n)
     body = at + header.size
     payload[at:body] = header
@@ -338,6 +339,9 @@ def _decode_framed_planes(
         # NOTE: a group fits st.plane (a chunk is at most 2 x MAX_ENTROPY_CHUNK raw bytes);
         # the named scratch only serves a PLANE_GROUP raised after the thread's state was made.
         planes = st.plane if size <= st.plane.size else st.scratch("framed-planes", size)
+        # NOTE: only the group's total is checked here, not each section's stored and raw
+        # length: a forged table that moves bytes between sections yields bytes the raw
+        # checksum judges, as it judges every decoded byte (the per-section path rejects it).
         st.decompress_into(src[at : at + stored], planes[:size])
         group = words[pos // 2 : (pos + size) // 2]
         step = sections[i].raw_len
@@ -425,8 +429,10 @@ def encode_ref(data: U8, geometry: RefGeometry, hasher: Any) -> Layout | None:
     words = data.view("<u2")
     n = words.size
     g = geometry
-    residuals = st.scratch("residuals", n)
-    refs = st.scratch("refs", g.refs)
+    # NOTE: residuals, references and the masked work plane in one buffer, laid out as
+    # decode_ref decodes a payload (a thread that saves and stages keeps one buffer).
+    work = st.scratch("ref-planes", 2 * n + g.refs)
+    residuals, refs = work, work[n:]  # NOTE: views to the end: libzstd's slack is readable
     # NOTE: the high bytes land K first, then V (the K/V axis outermost): each is one
     # distribution, and each gets its own Huffman tables.
     split = residuals[:n].reshape(2, g.layers, -1)
@@ -438,8 +444,7 @@ def encode_ref(data: U8, geometry: RefGeometry, hasher: Any) -> Layout | None:
     ref_rows = refs[: g.refs].reshape(g.channels, 1, g.head_dim)
     # NOTE: the reference leaves the sign bit out (the largest exponent bits): a residual
     # is then (reference - exponent bits) with the sign in bit 7 (1.4735 vs 1.461 unmasked).
-    # NOTE: decode_ref's "low" scratch: a thread that saves and stages keeps one buffer.
-    masked = st.scratch("low", n)[:n].reshape(rows.shape)
+    masked = work[n + g.refs : 2 * n + g.refs].reshape(rows.shape)
     np.bitwise_and(rows, _EXPONENT_BITS, out=masked)
     _token_max(masked, ref_rows)
     _subtract_refs(st, refs, rows)
@@ -538,26 +543,19 @@ def decode_ref(
     n = words.size
     k, v, nrefs, _ = _ref_planes(g)
     piece = chunk_len // 2
+    # NOTE: residuals, references and low bytes back to back in encode_ref's buffer (one
+    # buffer a thread), where every plane decodes in one libzstd call.
+    planes = st.scratch("ref-planes", 2 * n + nrefs)
+    residuals, refs, low = planes, planes[n : n + nrefs], planes[n + nrefs : 2 * n + nrefs]
     if _all_frames(sections):
-        # NOTE: every plane in one libzstd call: residuals, references and low bytes land
-        # back to back in one scratch (the encoder's "residuals" grown: one buffer a thread).
-        planes = st.scratch("residuals", 2 * n + nrefs)
         stored = sum(s.stored_len for s in sections)
         st.decompress_into(src[at : at + stored], planes[: 2 * n + nrefs])
-        residuals, refs, low = planes, planes[n : n + nrefs], planes[n + nrefs : 2 * n + nrefs]
-    else:
-        counts = (-(-k // piece) + -(-v // piece), -(-nrefs // piece))
-        residuals = st.scratch("residuals", n)
-        refs = st.scratch("refs", nrefs)
+    else:  # NOTE: an earlier release's object (stored sections): section by section
+        counts = (-(-k // piece) + -(-v // piece), -(-nrefs // piece), -(-n // piece))
         first = 0
-        for plane, count in zip((residuals, refs), counts, strict=True):
+        for plane, count in zip((residuals, refs, low), counts, strict=True):
             at = _decode_run(st, sections[first : first + count], src, at, plane)
             first += count
-        lows = sections[first:]
-        low = src[at : at + n]
-        if any(s.codec is SectionCodec.ZSTD for s in lows):
-            low = st.scratch("low", n)
-            _decode_run(st, lows, src, at, low)
     _subtract_refs(st, refs, residuals[:n].reshape(g.channels, g.tokens, g.head_dim))
     high = residuals[:n].reshape(2, g.layers, -1).transpose(1, 0, 2)
     np.multiply(high, _HIGH, out=words.reshape(g.layers, 2, -1))

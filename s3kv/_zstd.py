@@ -68,7 +68,7 @@ def _load_cffi() -> tuple[Any, Any] | None:
 _CFFI: Final = _load_cffi()
 
 
-@functools.cache
+@functools.lru_cache(maxsize=64)  # NOTE: a few block sizes per process
 def raw_frame_header(n: int) -> U8:
     """The first :data:`RAW_FRAME_OVERHEAD` bytes of a standard zstd frame that stores the
     ``n`` bytes following it as they are (RFC 8878: a single-segment frame header with a

@@ -28,12 +28,13 @@ holding raw bytes ``[c * chunk_len, (c + 1) * chunk_len)``. With ``planes == 2``
 elements (bf16: sign and 7 exponent bits, ~3 bits of entropy), then the low bytes
 (mantissa, ~8 bits: incompressible). The writer picks ``chunk_len``: since 2026-11-29 it
 cuts an object into equal chunks of at most 256 KiB, where it used to cut 256 KiB ones.
-A section whose zstd frame would not be smaller than its raw bytes is stored as is, except
-incompressible low planes: since 2026-11-29 they go in raw zstd frames (12 bytes around the
-bytes themselves, a zstd section to any reader), so that every section of an object is a
-frame and a reader decodes a group of them in one call; objects with stored low planes
-are read too. An object whose payload would not be smaller than its raw bytes is written
-with codec RAW.
+A plane that a Huffman-coded frame does not shrink (and every low plane, where a probe of
+the object's first chunk finds them incompressible) goes in a raw zstd frame: 12 bytes
+around the bytes themselves, a zstd section to any reader. So every section of a plane
+object is a frame, and a reader decodes a group of them in one call. Releases before
+2026-11-29 stored such planes as sections of codec 0 (stored); those objects are read too.
+Plain zstd (codec ZSTD) stores a chunk as is where its frame does not shrink it. An object
+whose payload would not be smaller than its raw bytes is written with codec RAW.
 
 PLANES_REF (2-byte dtypes, 5-D shape ``(layers, 2, heads, tokens, head_dim)``: the
 connector's block of an HND pool) has ``planes == 2`` and lays its sections out plane by

@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import ast
+import base64
 import inspect
+import json
 import math
 import struct
 import threading
 import tracemalloc
 import zlib
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -178,6 +181,63 @@ def test_chunks_are_as_few_as_the_limit_allows_and_equal(n: int) -> None:
         assert codec.read_header(blob).chunk_len == 245_760
 
 
+GOLDEN = Path(__file__).parent / "data" / "codec-objects-db28acd.json"
+
+
+@pytest.mark.parametrize("native", [True, False], ids=["grouped", "frame-by-frame"])
+def test_objects_of_an_earlier_release_still_decode(
+    native: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Objects written by the release before raw-frame low planes (commit db28acd): stored
+    low planes, and all-frame objects with a short last chunk (which the grouped decoder
+    reads in one call)."""
+    golden = json.loads(GOLDEN.read_text())
+    monkeypatch.setattr(_zstd, "native", lambda: native)
+    for case in golden["objects"]:
+        blob, raw = base64.b64decode(case["object"]), base64.b64decode(case["raw"])
+        assert bytes(codec.decode(blob, key=case["key"])) == raw, case["name"]
+
+
+class CountingZstd(_zstd.ThreadZstd):
+    """A thread's zstd state that counts its decode calls."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.decodes = 0
+
+    def decompress_into(self, frame: Any, dst: np.ndarray) -> None:
+        self.decodes += 1
+        super().decompress_into(frame, dst)
+
+
+@pytest.mark.skipif(not _zstd.native(), reason="needs libzstd's own API (zstandard's cffi)")
+@pytest.mark.parametrize(
+    ("shape", "requested", "calls"),
+    [
+        ((30, 2, 3, 64, 64), CodecId.PLANES_ZSTD, 1),  # a SmolLM2 block: one group
+        ((1_300_001,), CodecId.PLANES_ZSTD, 2),  # two groups, a short last chunk
+        ((30, 2, 3, 64, 64), CodecId.PLANES_REF, 1),
+    ],
+)
+def test_a_block_decodes_in_one_libzstd_call_per_group(
+    shape: tuple[int, ...], requested: CodecId, calls: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each C call that drops the GIL is a point where a decoding thread may sleep to take
+    it back: the planes of a group of chunks decode together (see s3kv._planes)."""
+    words = bf16_normal(math.prod(shape), seed=5)
+    blob = codec.encode(words, key=KEY, dtype="bfloat16", shape=shape, codec=requested)
+    assert codec.read_header(blob).codec is requested
+    counting = CountingZstd()
+    monkeypatch.setattr(_zstd, "local", lambda: counting)
+    assert bytes(codec.decode(blob, key=KEY)) == words.tobytes()
+    assert counting.decodes == calls
+
+
+def test_a_plane_chunk_fits_one_raw_frame() -> None:
+    """A plane that does not compress goes in a raw frame of one zstd block."""
+    assert _planes.PLANE_CHUNK // 2 <= _zstd.MAX_RAW_FRAME
+
+
 @pytest.mark.parametrize("shape", [(300_000,), (1_300_001,), (3, 2, 4, 64, 64)])
 def test_objects_decode_frame_by_frame_as_earlier_releases_do(
     shape: tuple[int, ...], monkeypatch: pytest.MonkeyPatch
@@ -229,6 +289,13 @@ def test_fallback_encoder_and_decoder_read_the_same_format(
     assert len(raw) / len(fallback_blob) > 1.3
     for blob in (native_blob, fallback_blob):
         assert bytes(codec.decode(blob, key=KEY)) == raw
+    ref_raw, ref_shape = bf16_normal(4 * 2 * 3 * 32 * 64).tobytes(), (4, 2, 3, 32, 64)
+    for requested in (CodecId.PLANES_ZSTD, CodecId.PLANES_REF):
+        fallback_ref = codec.encode(
+            ref_raw, key=KEY, dtype="bfloat16", shape=ref_shape, codec=requested
+        )
+        assert codec.read_header(fallback_ref).codec is requested
+        assert bytes(codec.decode(fallback_ref, key=KEY)) == ref_raw
     flipped = bytearray(native_blob)
     flipped[codec.read_header(native_blob).header_len + 20] ^= 0xFF
     with pytest.raises(ChecksumError):
@@ -335,6 +402,12 @@ def test_forged_huge_raw_len_never_allocates(blob: bytes) -> None:
     assert header.raw_len == 6000
 
 
+def raw_frame(data: bytes) -> bytes:
+    """RFC 8878: magic, a single-segment frame header with a 4-byte size, one raw block."""
+    head = struct.pack("<IBI", 0xFD2FB528, 0xA0, len(data))
+    return head + ((len(data) << 3) | 1).to_bytes(3, "little") + data
+
+
 def reference_planes_object(words: np.ndarray, key: str, *, low_frames: bool = True) -> bytes:
     """A bf16 object laid out by hand from the wire format in codec's docstring, with the
     codec's own plane coder: the encoder's output must be exactly this. ``low_frames=False``
@@ -349,11 +422,10 @@ def reference_planes_object(words: np.ndarray, key: str, *, low_frames: bool = T
         st_.plane2[: chunk.size] = high
         size = st_.entropy_frame_into(st_.plane2, chunk.size, frame, 0)
         low = (chunk & 0xFF).astype(np.uint8).tobytes()  # normal values: low plane raw
-        if low_frames:  # NOTE: RFC 8878: magic, single segment with a 4-byte size, raw block
-            head = struct.pack("<IBI", 0xFD2FB528, 0xA0, chunk.size)
-            low = head + ((chunk.size << 3) | 1).to_bytes(3, "little") + low
-        table += [(1, size) if size else (0, chunk.size), (int(low_frames), len(low))]
-        body += [frame[:size].tobytes() if size else high.tobytes(), low]
+        if low_frames:
+            low = raw_frame(low)
+        table += [(1, size) if size else (1, chunk.size + 12), (int(low_frames), len(low))]
+        body += [frame[:size].tobytes() if size else raw_frame(high.tobytes()), low]
     payload = b"".join(body)
     head = struct.pack(
         "<4sHIBBBBQQ16s16s8sQI",
