@@ -59,6 +59,7 @@ The payload kernels, and the measurements that chose them, are in :mod:`s3kv._pl
 from __future__ import annotations
 
 import enum
+import functools
 import math
 import struct
 import zlib
@@ -92,6 +93,9 @@ _SECTION = struct.Struct("<BQ")
 _SECTION_CODECS: Final = {c.value: c for c in SectionCodec}  # by wire byte
 _U32 = struct.Struct("<I")
 _MIN_HEADER: Final = _FIXED.size + _U32.size + _U32.size
+#: Builds a Section from a tuple without NamedTuple's Python-level __new__ (header parsing
+#: runs under the GIL for every block a thread decodes).
+_new_section: Final = tuple.__new__
 
 U8 = npt.NDArray[np.uint8]
 Bytes = bytes | bytearray | memoryview
@@ -186,19 +190,20 @@ def _u8_view(data: Any) -> U8:
     return np.frombuffer(memoryview(data).cast("B"), np.uint8)
 
 
+@functools.lru_cache(maxsize=256)  # NOTE: a model's blocks share a few layouts
 def _raw_lengths(
     codec: CodecId, shape: tuple[int, ...], raw_len: int, chunk_len: int, planes: int
-) -> list[int]:
+) -> tuple[int, ...]:
     """Raw length of every section, chunk-major (see the module docstring), or
-    PLANES_REF's plane by plane."""
+    PLANES_REF's plane by plane. Cached: every decode parses a header under the GIL."""
     geometry = _planes.ref_geometry(shape) if codec is CodecId.PLANES_REF else None
     if geometry is not None:
-        return _planes.ref_raw_lengths(geometry, chunk_len)
+        return tuple(_planes.ref_raw_lengths(geometry, chunk_len))
     lengths = []
     for start in range(0, raw_len, chunk_len):
         n = min(chunk_len, raw_len - start)
         lengths.extend([n // planes] * planes)
-    return lengths
+    return tuple(lengths)
 
 
 def _assemble(
@@ -389,7 +394,7 @@ def read_header(blob: Bytes) -> Header:
             raise UnsupportedVersionError(f"unknown section codec {flag}")
         if (section_codec is SectionCodec.STORED or stored_only) and stored != n:
             raise SizeMismatchError(f"stored section of {stored} bytes, raw length is {n}")
-        sections.append(Section(section_codec, stored, n))
+        sections.append(_new_section(Section, (section_codec, stored, n)))
     header = Header(
         version,
         codec,
