@@ -42,7 +42,9 @@ Every section a frame (2026-11-29, ``codec_threads-h200-host-2026-11-29-framed.j
 planes in raw zstd frames and equal chunks let a reader decode a block's planes in one
 libzstd call and merge them in two numpy calls; context switches per decoded block at 8
 threads 16 -> 4.3, decode scaling 3.1-3.9x -> 5.3-5.9x (5,797-6,718 MB/s; processes 7,699),
-staging 3.6-3.9x -> 4.9-5.2x. Encode is unchanged.
+staging 3.6-3.9x -> 4.9-5.2x. On a second host with the final code
+(``...-framed-final.jsonl``): decode at 8 threads 7,233-7,397 MB/s, 95-97% of 8 processes'
+7,620 MB/s (which scaled 5.7x there). Encode is unchanged.
 
 ``--codec planes-ref`` times the codec cases with PLANES_REF (blocks recorded with the
 connector's 5-D shape); rows name the codec.
