@@ -11,6 +11,7 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import boto3
 import pytest
@@ -206,6 +207,28 @@ def test_doctor_gives_up_on_a_silent_endpoint_within_its_deadline(
     assert "\n" not in str(bucket["detail"])
     assert _checks(doc)["permissions"]["status"] == "skip"
     assert_one_error_line(result, "failed checks: bucket", silent_endpoint)
+
+
+def test_a_slow_credential_chain_still_leaves_a_diagnosis(
+    silent_endpoint: str, aws_env: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The bucket step's requests are sized to what the earlier steps left of the deadline,
+    so a silent endpoint is still named as such (not a bare overrun) after a slow step."""
+    from s3kv.ops import doctor
+
+    real = doctor._credentials
+
+    def slow(run: Any) -> Any:
+        time.sleep(1.6)
+        return real(run)
+
+    monkeypatch.setattr(doctor, "_credentials", slow)
+    human = invoke(
+        ["doctor", "--timeout", "4", "--bucket", "b-x", "--endpoint-url", silent_endpoint]
+    )
+    assert human.exit_code == 1, human.output
+    (failed,) = [line for line in human.stderr.splitlines() if "doctor: bucket: FAIL" in line]
+    assert f"{silent_endpoint} accepted the connection but sent no answer within" in failed
 
 
 def test_doctor_shows_the_effective_endpoint_and_region(

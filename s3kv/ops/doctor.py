@@ -214,6 +214,8 @@ class _Run:
     checks: list[Check] = field(default_factory=list)
     endpoint: str | None = None
     credentials: Credentials | None = None
+    #: Seconds the backend's requests were sized for (what was left of the deadline).
+    probe_budget: float = 0.0
 
     def step(self, name: str, what: str, fn: Callable[[], Check]) -> Check:
         """Run one check under the deadline, with a progress line before and after."""
@@ -312,8 +314,12 @@ def run_doctor(
         return report()
     what = "none needed" if is_file_url(cfg.endpoint_url) else "the AWS credential chain"
     run.step("credentials", what, lambda: _credentials(run))
+    # NOTE: requests sized to what the earlier steps left of the deadline, so that a silent
+    # endpoint is diagnosed by their own timeouts before the deadline cuts the step short
+    # (a credential chain that took seconds used to leave the bucket step a bare overrun).
+    run.probe_budget = max(0.0, deadline.left())
     try:
-        backend = deadline.run(lambda: _open(cfg, open_backend, timeout))
+        backend = deadline.run(lambda: _open(cfg, open_backend, run.probe_budget))
     except _DeadlineError:
         run.checks.append(run.overrun("bucket"))
         return report()
@@ -338,7 +344,7 @@ def run_doctor(
 
 def _probe_config(cfg: S3KVConfig, timeout: float) -> S3KVConfig:
     """``cfg`` with no open-time I/O and requests short enough for the deadline."""
-    per_request = max(0.5, timeout / 4)
+    per_request = max(0.5, round(timeout / 4, 1))
     return cfg.replace(
         conditional_put="off",
         connect_timeout=min(cfg.connect_timeout, per_request),
@@ -612,7 +618,7 @@ def _unreachable(run: _Run, exc: EndpointError) -> Check:
     if "Timeout" not in cause and "timed out" not in str(exc):
         return Check("bucket", "fail", str(exc), _remedy(exc))
     where = run.endpoint or "the endpoint"
-    cfg = _probe_config(run.cfg, run.deadline.seconds)
+    cfg = _probe_config(run.cfg, run.probe_budget or run.deadline.seconds)
     if "Connect" in cause:
         detail = f"could not connect to {where} within {cfg.connect_timeout:g} s"
     else:
