@@ -219,12 +219,12 @@ def test_a_slow_credential_chain_still_leaves_a_diagnosis(
     real = doctor._credentials
 
     def slow(run: Any) -> Any:
-        time.sleep(1.6)
+        time.sleep(3.5)
         return real(run)
 
     monkeypatch.setattr(doctor, "_credentials", slow)
     human = invoke(
-        ["doctor", "--timeout", "4", "--bucket", "b-x", "--endpoint-url", silent_endpoint]
+        ["doctor", "--timeout", "6", "--bucket", "b-x", "--endpoint-url", silent_endpoint]
     )
     assert human.exit_code == 1, human.output
     (failed,) = [line for line in human.stderr.splitlines() if "doctor: bucket: FAIL" in line]
