@@ -200,9 +200,9 @@ def test_doctor_gives_up_on_a_silent_endpoint_within_its_deadline(
     # With --json: the same verdict, and nothing on stderr but the one error line.
     start = time.monotonic()
     result = invoke([*args, "--json"])
-    assert time.monotonic() - start < 4 + 3
+    assert time.monotonic() - start < 10 + 3
     doc = parse_json(result)
-    assert (doc["endpoint"], doc["timeout_s"]) == (silent_endpoint, 4.0)
+    assert (doc["endpoint"], doc["timeout_s"]) == (silent_endpoint, 10.0)
     bucket = _checks(doc)["bucket"]
     assert bucket["status"] == "fail"
     assert silent_endpoint in str(bucket["detail"])
