@@ -190,12 +190,11 @@ def _u8_view(data: Any) -> U8:
     return np.frombuffer(memoryview(data).cast("B"), np.uint8)
 
 
-@functools.lru_cache(maxsize=256)  # NOTE: a model's blocks share a few layouts
 def _raw_lengths(
     codec: CodecId, shape: tuple[int, ...], raw_len: int, chunk_len: int, planes: int
 ) -> tuple[int, ...]:
     """Raw length of every section, chunk-major (see the module docstring), or
-    PLANES_REF's plane by plane. Cached: every decode parses a header under the GIL."""
+    PLANES_REF's plane by plane."""
     geometry = _planes.ref_geometry(shape) if codec is CodecId.PLANES_REF else None
     if geometry is not None:
         return tuple(_planes.ref_raw_lengths(geometry, chunk_len))
@@ -204,6 +203,13 @@ def _raw_lengths(
         n = min(chunk_len, raw_len - start)
         lengths.extend([n // planes] * planes)
     return tuple(lengths)
+
+
+#: Layouts of at most this many sections are cached (a model's blocks share a few): every
+#: decode parses a header under the GIL. A forged header's huge layout is not, so the cache
+#: holds at most 64 x 4096 lengths (2 MiB of pointers).
+_CACHED_SECTIONS: Final = 4096
+_cached_raw_lengths: Final = functools.lru_cache(maxsize=64)(_raw_lengths)
 
 
 def _assemble(
@@ -382,7 +388,8 @@ def read_header(blob: Bytes) -> Header:
     if header_len != _MIN_HEADER + 8 * ndim + _SECTION.size * nsections:
         raise SizeMismatchError(f"header_len {header_len} disagrees with {nsections} sections")
     _check_layout(codec, dtype, shape, raw_len, planes, chunk_len, nsections)
-    raw_lengths = _raw_lengths(codec, shape, raw_len, chunk_len, planes)
+    lengths_of = _cached_raw_lengths if nsections <= _CACHED_SECTIONS else _raw_lengths
+    raw_lengths = lengths_of(codec, shape, raw_len, chunk_len, planes)
     sections = []
     table = view[table_at + _U32.size : header_len - _U32.size]
     stored_only = codec is CodecId.RAW

@@ -581,3 +581,19 @@ def test_no_pickle_on_the_read_path() -> None:
     for module in (codec, _zstd):
         assert forbidden.isdisjoint(name.split(".")[0] for name in _imported_modules(module))
         assert forbidden.isdisjoint(vars(module))
+
+
+def test_header_layouts_are_cached_within_a_bound(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Parsed section lengths are cached per layout, but a layout of many sections (a forged
+    header's) is not: the cache stays within 64 layouts of at most 4096 sections."""
+    assert codec._cached_raw_lengths.cache_parameters()["maxsize"] == 64
+    monkeypatch.setattr(_planes, "ZSTD_CHUNK", 64)
+    raw = np.random.default_rng(2).integers(0, 4, 64 * 4097, np.uint8).tobytes()
+    blob = codec.encode(raw, key=KEY, dtype=DType.UINT8, shape=(len(raw),))
+    header = codec.read_header(blob)
+    assert len(header.sections) == 4097 > codec._CACHED_SECTIONS
+    codec._cached_raw_lengths.cache_clear()
+    assert bytes(codec.decode(blob, key=KEY)) == raw
+    assert codec._cached_raw_lengths.cache_info().currsize == 0
+    assert bytes(codec.decode(SAMPLE, key=KEY)) == SAMPLE_RAW
+    assert codec._cached_raw_lengths.cache_info().currsize == 1
