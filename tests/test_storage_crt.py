@@ -10,6 +10,7 @@ boto3's. A small recording S3 on loopback (:class:`FakeS3`) shows what goes on t
 from __future__ import annotations
 
 import datetime
+import gc
 import ipaddress
 import logging
 import os
@@ -20,6 +21,7 @@ import subprocess
 import sys
 import threading
 import time
+import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -37,6 +39,7 @@ from s3kv.errors import (
     BucketNotFoundError,
     ConfigError,
     EndpointError,
+    ObjectTooLargeError,
     PreconditionFailedError,
     StorageError,
     ThrottledError,
@@ -47,6 +50,7 @@ from s3kv.storage import (
     CircuitOpenError,
     InstrumentedBackend,
     S3Backend,
+    ensure_bucket,
     make_client,
     open_backend,
     translate_error,
@@ -588,6 +592,37 @@ def test_missing_bucket_on_seaweedfs(seaweedfs: LocalS3, aws_env: None) -> None:
                                                           seaweedfs.secret_key))  # fmt: skip
     with pytest.raises(BucketNotFoundError, match=bucket):
         backend.get("k")
+
+
+def test_failed_requests_leave_nothing_alive(moto_server: str, aws_env: None) -> None:
+    # Each failed awscrt request (a 404, a refused condition, a refused size) used to keep
+    # its frames, and through them its backend and boto3 client, alive for good: a cycle
+    # through awscrt's C side the garbage collector cannot see (see CrtTransport._wait).
+    # A manifest polling for its next log entry gets a 404 every round.
+    from awscrt import s3
+
+    def live_requests() -> int:
+        return sum(1 for o in gc.get_objects() if isinstance(o, s3.S3Request))
+
+    bucket = unique_bucket()
+    ensure_bucket(make_client(s3_config(moto_server, bucket)), bucket)
+    gc.collect()
+    before = live_requests()
+    cfg = s3_config(moto_server, bucket, conditional_put="on", s3_client="crt")
+    backend = S3Backend.from_config(cfg, client=make_client(cfg))
+    assert backend.put("k", b"value") is True
+    for i in range(20):
+        assert backend.get(f"missing/{i}") is None
+    for _ in range(5):
+        assert backend.put("k", b"other", if_absent=True) is False
+        with pytest.raises(ObjectTooLargeError):
+            backend.get("k", max_bytes=1)
+    assert backend.get("k") == b"value"
+    gone = weakref.ref(backend)
+    del backend
+    gc.collect()
+    assert gone() is None, "a failed request keeps its backend alive"
+    assert live_requests() == before
 
 
 def test_refusing_an_oversized_object_reads_at_most_max_bytes_plus_one(

@@ -213,15 +213,15 @@ class CrtTransport:
             on_headers=None if max_bytes is None else progress.on_headers,
             on_body=progress.on_body,
         )
-        try:
-            self._wait(request, progress, part)
-        except s3.S3ResponseError as exc:
-            # NOTE: only an empty object refuses a range from byte 0 (416). awscrt then asks
-            # again with partNumber=1, which SeaweedFS 4.48 refuses with 416 too.
-            if exc.status_code == 416:
-                return b""
-            raise
-        return progress.body()
+        error = self._wait(request, progress, part)
+        del request  # NOTE: before raising: see _wait
+        if error is None:
+            return progress.body()
+        # NOTE: only an empty object refuses a range from byte 0 (416). awscrt then asks
+        # again with partNumber=1, which SeaweedFS 4.48 refuses with 416 too.
+        if isinstance(error, s3.S3ResponseError) and error.status_code == 416:
+            return b""
+        raise error
 
     def put(self, key: str, data: bytes | memoryview, *, if_none_match: bool = False) -> None:
         """Store ``data`` under ``key`` in one PutObject, with ``If-None-Match: *`` if asked.
@@ -243,7 +243,10 @@ class CrtTransport:
             request=http.HttpRequest("PUT", self._path(key), http.HttpHeaders(fields), body),
             on_progress=progress.on_progress,
         )
-        self._wait(request, progress, view.nbytes)
+        error = self._wait(request, progress, view.nbytes)
+        del request  # NOTE: before raising: see _wait
+        if error is not None:
+            raise error
 
     def close(self) -> None:
         """Let the client shut down (awscrt frees it once no request refers to it)."""
@@ -254,8 +257,20 @@ class CrtTransport:
         # config: no double encoding, no normalization).
         return self._base + urllib.parse.quote(key, safe="/~")
 
-    def _wait(self, request: Any, progress: _Progress, awaited_bytes: int) -> None:
-        """Block until ``request`` finishes; cancel it after a stall (see the module)."""
+    def _wait(self, request: Any, progress: _Progress, awaited_bytes: int) -> BaseException | None:
+        """Block until ``request`` finishes; what it failed with, or ``None``.
+
+        The caller raises that error only after dropping its own reference to ``request``.
+        NOTE: why: awscrt keeps the request's callback core (and through it the finished
+        future and its exception) alive from C for as long as the Python request lives. An
+        exception raised with a traceback through a frame that still holds the request
+        closes a cycle through C that the garbage collector cannot see: every failed
+        request (each 404 a manifest poll gets) kept its frames, its backend and its boto3
+        client alive for the life of the process.
+
+        Raises:
+            EndpointError: no progress for the allowance: the request is cancelled.
+        """
         done: futures.Future[None] = request.finished_future
         allowance = self._stall_s + awaited_bytes / _SLOWEST_BYTES_PER_S
         seen = 0
@@ -273,9 +288,7 @@ class CrtTransport:
                     f"{self.settings.endpoint_url} (no progress in {allowance:.3g} s): the "
                     "server is overloaded or slow; check it or raise TLLM_S3KV_READ_TIMEOUT"
                 ) from None
-            if error is not None:
-                raise error
-            return
+            return error
 
 
 class _Delegate:
