@@ -128,6 +128,25 @@ class TestClientSettings:
         with pytest.raises(AccessDeniedError, match="no-such-profile"):
             make_client(S3KVConfig(bucket="bkt", profile="no-such-profile"))
 
+    def test_clients_share_the_parsed_models_and_nothing_grows(
+        self, aws_env: None, monkeypatch: pytest.MonkeyPatch, tmp_path: Any
+    ) -> None:
+        # Each boto3 session used to parse botocore's S3 model again (~36,000 objects).
+        from s3kv.storage import s3 as s3_module
+
+        def model(client: Any) -> Any:
+            return client.meta.service_model._service_description
+
+        cfg = S3KVConfig(bucket="bkt", endpoint_url="http://127.0.0.1:9")
+        first = make_client(cfg)
+        paths = len(s3_module._LOADERS[""].search_paths)
+        assert all(model(make_client(cfg)) is model(first) for _ in range(3))
+        assert len(s3_module._LOADERS[""].search_paths) == paths, "boto3's path added again"
+        # A session's own data path (AWS_DATA_PATH) still gets a loader that searches it.
+        monkeypatch.setenv("AWS_DATA_PATH", str(tmp_path))
+        assert model(make_client(cfg)) is not model(first)
+        assert str(tmp_path) in s3_module._LOADERS[str(tmp_path)].search_paths
+
     def test_description(self, moto_backend: S3Backend, moto_server: str) -> None:
         assert moto_backend.description == f"s3://{moto_backend.bucket}/s3kv at {moto_server}"
 

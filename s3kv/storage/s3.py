@@ -42,6 +42,7 @@ from __future__ import annotations
 import logging
 import os
 import re
+import threading
 import uuid
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from html import unescape
@@ -53,6 +54,8 @@ import botocore.credentials
 import botocore.exceptions as bce
 import botocore.handlers
 import botocore.httpsession
+import botocore.loaders
+import botocore.session
 import urllib3.exceptions
 from botocore.config import Config
 
@@ -421,6 +424,41 @@ def _custom_endpoint(cfg: S3KVConfig) -> bool:
     return bool(os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL"))
 
 
+class _PathsOnce(list[str]):
+    """A loader's search paths, where a path appended again is kept once."""
+
+    def append(self, path: str) -> None:
+        if path not in self:
+            super().append(path)
+
+
+_LOADERS: dict[str, botocore.loaders.Loader] = {}
+_LOADERS_LOCK = threading.Lock()
+
+
+def _botocore_session(profile: str | None) -> botocore.session.Session:
+    """A new botocore session (its own profile, credentials and settings) whose service
+    models come from one loader per process and data path.
+
+    NOTE: why: each session's own loader parses botocore's S3 model and endpoint rules
+    again: about 120 ms of CPU and 36,000 objects per client on a 2-core machine, left to
+    the garbage collector when the client goes (in the engine's process). The parsed models
+    are shared read-only, as the clients of one session always share them. boto3 appends
+    its data path to the loader's search paths for every session: kept once.
+    """
+    session = botocore.session.Session(profile=profile)
+    data_path = session.get_config_variable("data_path") or ""
+    with _LOADERS_LOCK:
+        loader = _LOADERS.get(data_path)
+        if loader is None:
+            paths = _PathsOnce(
+                os.path.expanduser(os.path.expandvars(p)) for p in data_path.split(os.pathsep) if p
+            )
+            loader = _LOADERS[data_path] = botocore.loaders.Loader(extra_search_paths=paths)
+    session.register_component("data_loader", loader)
+    return session
+
+
 def make_client(
     cfg: S3KVConfig, *, access_key: str | None = None, secret_key: str | None = None
 ) -> S3Client:
@@ -450,7 +488,9 @@ def make_client(
         response_checksum_validation="when_required",
     )
     try:
-        session = boto3.session.Session(profile_name=cfg.profile)
+        session = boto3.session.Session(
+            botocore_session=_botocore_session(cfg.profile), profile_name=cfg.profile
+        )
         client = session.client(
             "s3",
             endpoint_url=cfg.endpoint_url or None,
