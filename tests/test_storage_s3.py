@@ -137,6 +137,9 @@ class TestClientSettings:
         def model(client: Any) -> Any:
             return client.meta.service_model._service_description
 
+        monkeypatch.delenv("AWS_DATA_PATH", raising=False)
+        # NOTE: the loaders this test makes are dropped after it (a parsed model is MBs).
+        monkeypatch.setattr(s3_module, "_LOADERS", dict(s3_module._LOADERS))
         cfg = S3KVConfig(bucket="bkt", endpoint_url="http://127.0.0.1:9")
         first = make_client(cfg)
         paths = len(s3_module._LOADERS[""].search_paths)

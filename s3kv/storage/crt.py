@@ -262,7 +262,8 @@ class CrtTransport:
 
         The caller raises that error only after dropping its own reference to ``request``.
         NOTE: why: awscrt keeps the request's callback core (and through it the finished
-        future and its exception) alive from C for as long as the Python request lives. An
+        future and its exception) alive from C until the request's native shutdown, which
+        follows the release of the Python request (microseconds later, on its own thread). An
         exception raised with a traceback through a frame that still holds the request
         closes a cycle through C that the garbage collector cannot see: every failed
         request (each 404 a manifest poll gets) kept its frames, its backend and its boto3

@@ -443,8 +443,11 @@ def _botocore_session(profile: str | None) -> botocore.session.Session:
     NOTE: why: each session's own loader parses botocore's S3 model and endpoint rules
     again: about 120 ms of CPU and 36,000 objects per client on a 2-core machine, left to
     the garbage collector when the client goes (in the engine's process). The parsed models
-    are shared read-only, as the clients of one session always share them. boto3 appends
-    its data path to the loader's search paths for every session: kept once.
+    are shared read-only, as the clients of one session always share them, and kept for the
+    life of the process (what any session loaded: a few MB). Clients made at the same time
+    on a cold loader may each parse a model once (botocore's cache takes no lock); the last
+    one is kept. boto3 appends its data path to the loader's search paths for every
+    session: kept once.
     """
     session = botocore.session.Session(profile=profile)
     data_path = session.get_config_variable("data_path") or ""
