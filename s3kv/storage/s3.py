@@ -454,6 +454,8 @@ def _botocore_session(profile: str | None) -> botocore.session.Session:
     with _LOADERS_LOCK:
         loader = _LOADERS.get(data_path)
         if loader is None:
+            # NOTE: AWS_DATA_PATH read as botocore.loaders.create_loader reads it; that
+            # function takes no list of our own, which _PathsOnce needs to be.
             paths = _PathsOnce(
                 os.path.expanduser(os.path.expandvars(p)) for p in data_path.split(os.pathsep) if p
             )
