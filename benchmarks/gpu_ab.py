@@ -300,9 +300,12 @@ def measured(
     iter1 = time.perf_counter() - started
     gpu.end()
     iter1_connector = timer.take() if timer is not None else {}
+    gc_iter1 = sum(GC_TIMES)
     started = time.perf_counter()
     executor.step()  # NOTE: overlap: the next step is queued, then the prefill synchronised
     iter2 = time.perf_counter() - started
+    gc_iter2 = sum(GC_TIMES) - gc_iter1
+    iter2_connector = timer.take() if timer is not None else {}
     blocks = list(executor.kv_cache_manager.sequences().get(rid, []))
     steps: list[list[float]] = []  # NOTE: [host ms, saves still with the codec] per step
     while not executor.is_finished(rid):
@@ -319,16 +322,22 @@ def measured(
             if ms - threads_before.get(name, 0.0) > 0
         },
         "ttft_ms": result.ttft_s * 1e3,
+        "token_after_iter1_ms": result.ttft_s * 1e3 - iter1 * 1e3,
         "decode_ms": decode_step_ms(result),
         "iter1_ms": iter1 * 1e3,
         "iter2_ms": iter2 * 1e3,
         "iter1_gpu_ms": gpu.elapsed_ms(),
         "iter1_connector_ms": iter1_connector,
+        "iter2_connector_ms": iter2_connector,
+        "iter1_gc_ms": round(gc_iter1 * 1e3, 3),
+        "iter2_gc_ms": round(gc_iter2 * 1e3, 3),
         "reuse_tokens": result.reused_tokens,
         "connector_tokens": result.connector_tokens,
         "output": list(result.output_tokens),
         "blocks": blocks,
-        "connector_ms": _summed(iter1_connector, timer.take() if timer is not None else {}),
+        "connector_ms": _summed(
+            _summed(iter1_connector, iter2_connector), timer.take() if timer is not None else {}
+        ),
         "gc_ms": round(sum(GC_TIMES) * 1e3, 3),
         "steps": steps,
     }
@@ -906,7 +915,9 @@ def report(
 
     emit(out, "gpu.cold_first_iterations_ms", cold("conn", "ttft_ms"), "ms",
          note="cold prefill with the connector: host time of iterations 1 and 2, the GPU "
-              "time of iteration 1's work, the connector's host time in iteration 1",
+              "time of iteration 1's work, the connector's host time and the garbage "
+              "collections in iterations 1 and 2, and when the first token came after "
+              "iteration 1 (overlap: iteration 2 commits it)",
          iter1_host_ms=cold("conn", "iter1_ms"),
          iter1_host_without_connector_ms=cold("ref", "iter1_ms"),
          iter2_host_ms=cold("conn", "iter2_ms"),
@@ -914,6 +925,13 @@ def report(
          iter1_gpu_ms=cold("conn", "iter1_gpu_ms"),
          iter1_gpu_without_connector_ms=cold("ref", "iter1_gpu_ms"),
          iter1_connector_ms=_medians([w["conn"]["cold"]["iter1_connector_ms"] for w, _ in pairs]),
+         iter2_connector_ms=_medians([w["conn"]["cold"]["iter2_connector_ms"] for w, _ in pairs]),
+         iter1_gc_ms=cold("conn", "iter1_gc_ms"),
+         iter1_gc_without_connector_ms=cold("ref", "iter1_gc_ms"),
+         iter2_gc_ms=cold("conn", "iter2_gc_ms"),
+         iter2_gc_without_connector_ms=cold("ref", "iter2_gc_ms"),
+         token_after_iter1_ms=cold("conn", "token_after_iter1_ms"),
+         token_after_iter1_without_connector_ms=cold("ref", "token_after_iter1_ms"),
          ttft_without_connector_ms=cold("ref", "ttft_ms"), **common)  # fmt: skip
     emit(out, "gpu.save_overhead_pct", paired_pct(dec_conn, dec_ref), "%", step="decode",
          median_ratio_pct=pct(dec_conn, dec_ref),
