@@ -12,7 +12,9 @@ host's cores) and, to find what serializes, each part of it alone:
   recycled buffers).
 * ``stage``: the store's path, ``StagingCache.allocate`` + decode + insert, with evictions
   at a budget of 64 blocks (the steady state of a full staging cache).
-* ``encode``: ``codec.encode`` (the save path).
+* ``encode``: ``codec.encode`` (a ``bytes`` object).
+* ``encode_view``: ``codec.encode_view`` (the save path: the object coded into a buffer of
+  its own, no final copy under the GIL).
 * parts: ``xxh3_128`` of a block, ``zstd`` decode of a block's high-plane frames alone,
   the numpy plane merge alone, ``assemble``: one ``bytes`` of a block's payload from a
   scratch buffer (``b"".join``, as ``codec.encode`` ends).
@@ -248,6 +250,15 @@ def main() -> int:
         "stage": staging_case,
         "encode": lambda: (
             lambda t, i: codec.encode(
+                blocks[i % 16],
+                key=keys[i % 16],
+                dtype=codec.DType.BFLOAT16,
+                shape=shape,
+                codec=codec_id,
+            )
+        ),
+        "encode_view": lambda: (
+            lambda t, i: codec.encode_view(
                 blocks[i % 16],
                 key=keys[i % 16],
                 dtype=codec.DType.BFLOAT16,

@@ -30,12 +30,11 @@ Finding (H200 hosts' 16-vCPU Xeon, three rounds each starting with the next abla
 8 forked processes of the full encoder: 5,573 MB/s. An earlier run of the same patches on
 another host gave full 3,332-3,541, no_join +16-34%, no_low_copies +8-29%, none +51-67%.
 So the final copy (GIL held) and the per-chunk low copies (a GIL hand-off each) each cost
-the threads a fifth to a third of their throughput; the probe is within noise. Neither is
-removed here: the wire format fixes a section per plane per chunk, each chunk's high frame
-before its low one (old readers), and callers get ``bytes``. What would remove them is an
-encoder writing into an owned buffer that the S3 clients read without a copy (awscrt reads
-a body through ``readinto``); until then ``codec_processes`` is the save path's answer at
-high rates.
+the threads a fifth to a third of their throughput; the probe is within noise. The save path
+has since dropped the final copy: it encodes with ``codec.encode_view`` (the object coded
+into a buffer of its own, PUT as a view; see ``bench_codec_threads.py``'s ``encode_view``).
+The low copies stay: the wire format puts each chunk's high frame before its low one, so the
+low planes land at offsets known only after each high frame is coded.
 
 Usage: ``python benchmarks/bench_encode_ablation.py [--threads 1,4,8] [--ablations a,b]
 [--quick]``.

@@ -72,6 +72,11 @@ threads (2.8x, 1.2x and 1.3x the throughput; single-thread equal within noise).
   On a second host, with the final code: 7,233-7,397 against 4,263-5,212 MB/s, 95-97% of
   8 processes' 7,620 (``...-framed-final.jsonl``). Encode is unchanged (16 calls a block:
   a frame and a copy per chunk).
+* Coded in place (2026-11-29): given ``out``, the plane encoders write the payload there
+  instead of the thread's scratch, so :func:`s3kv.codec.encode_view` leaves room for the
+  header in front and returns the object without the final copy (made holding the GIL)
+  that a ``bytes`` result needs: at 8 threads +8-30% (``benchmarks/bench_encode_ablation.py``
+  measured what that copy cost).
 """
 
 from __future__ import annotations
@@ -172,20 +177,46 @@ def encode_zstd(data: U8, level: int, hasher: Any) -> Layout | None:
     return out.layout(1, ZSTD_CHUNK)
 
 
-def encode_planes(data: U8, hasher: Any) -> Layout | None:
+def planes_room(nbytes: int) -> tuple[int, int]:
+    """Sections of a PLANES_ZSTD payload of ``nbytes`` raw bytes, and the room
+    :func:`encode_planes` needs to write it into (its ``out``)."""
+    frames = 2 * -(-(nbytes // 2) // chunk_elements(nbytes // 2))
+    return frames, nbytes + _zstd.RAW_FRAME_OVERHEAD * frames + _zstd.FRAME_BOUND
+
+
+def ref_room(nbytes: int, geometry: RefGeometry) -> tuple[int, int]:
+    """Sections of a PLANES_REF payload of ``nbytes`` raw bytes, and the room
+    :func:`encode_ref` needs to write it into (its ``out``)."""
+    frames = ref_section_count(geometry, PLANE_CHUNK)
+    return frames, nbytes + geometry.refs + _zstd.RAW_FRAME_OVERHEAD * frames + _zstd.FRAME_BOUND
+
+
+def _payload_buffer(st: _zstd.ThreadZstd, room: int, out: U8 | None) -> U8:
+    """``out`` where given (checked to hold ``room`` bytes), else the thread's scratch."""
+    if out is None:
+        return st.payload(room - _zstd.FRAME_BOUND)
+    if out.size < room:
+        raise ValueError(f"out: {out.size} bytes, the payload may need {room} (a caller bug)")
+    return out
+
+
+def encode_planes(data: U8, hasher: Any, out: U8 | None = None) -> Layout | None:
     """Little-endian 16-bit elements as high/low byte planes, chunk by chunk (equal chunks:
     :func:`chunk_elements`); low planes that a probe finds incompressible go in raw frames.
 
     Feeds every raw byte to ``hasher`` on the way. Returns None when the payload would not
     be smaller than the raw bytes.
-    The layout's one piece is the calling thread's payload scratch: copy it before the
-    thread encodes again.
+    The layout's one piece is a view of the payload where it was written: ``out`` (from
+    its start; :func:`planes_room` says how large it must be), else the calling thread's
+    payload scratch (copy it before the thread encodes again).
+
+    Raises:
+        ValueError: ``out`` is too small (a caller bug).
     """
     st = _zstd.local()
     words = data.view("<u2")
     step = chunk_elements(words.size)
-    frames = 2 * -(-words.size // step)  # NOTE: at most, if no plane compressed
-    payload = st.payload(data.size + _zstd.RAW_FRAME_OVERHEAD * frames)
+    payload = _payload_buffer(st, planes_room(data.size)[1], out)
     sections: list[tuple[SectionCodec, int]] = []
     at = 0
     # NOTE: bf16/fp16 low bytes carry ~8 bits of entropy. libzstd only rejects a plane
@@ -416,7 +447,9 @@ def ref_raw_lengths(geometry: RefGeometry, chunk_len: int) -> list[int]:
     return lengths
 
 
-def encode_ref(data: U8, geometry: RefGeometry, hasher: Any) -> Layout | None:
+def encode_ref(
+    data: U8, geometry: RefGeometry, hasher: Any, out: U8 | None = None
+) -> Layout | None:
     """16-bit elements as exponent-residual and low byte planes (PLANES_REF).
 
     The high byte of every element (bf16: sign and 7 exponent bits) is subtracted, mod 256,
@@ -424,8 +457,13 @@ def encode_ref(data: U8, geometry: RefGeometry, hasher: Any) -> Layout | None:
     (layer, K/V, head, dim). K and V residuals, then the references, are Huffman-coded in
     pieces of ``PLANE_CHUNK // 2`` bytes; the low bytes follow, in raw frames unless a
     probe shows they compress. Feeds every raw byte to ``hasher``. Returns None when the
-    payload would not be smaller than the raw bytes. The layout's one piece is the calling
-    thread's payload scratch: copy it before the thread encodes again.
+    payload would not be smaller than the raw bytes. The layout's one piece is a view of
+    the payload where it was written: ``out`` (from its start; :func:`ref_room` says how
+    large it must be), else the calling thread's payload scratch (copy it before the
+    thread encodes again).
+
+    Raises:
+        ValueError: ``out`` is too small (a caller bug).
     """
     st = _zstd.local()
     words = data.view("<u2")
@@ -451,8 +489,7 @@ def encode_ref(data: U8, geometry: RefGeometry, hasher: Any) -> Layout | None:
     _token_max(masked, ref_rows)
     _subtract_refs(st, refs, rows)
     piece = PLANE_CHUNK // 2
-    frames = ref_section_count(g, PLANE_CHUNK)
-    payload = st.payload(data.size + g.refs + _zstd.RAW_FRAME_OVERHEAD * frames)
+    payload = _payload_buffer(st, ref_room(data.size, g)[1], out)
     sections: list[tuple[SectionCodec, int]] = []
     at = 0
     half = n // 2

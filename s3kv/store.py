@@ -1097,7 +1097,7 @@ class KVStore:
         written = False
         try:
             try:
-                blob = codec.encode(
+                blob: bytes | memoryview = codec.encode_view(
                     data,
                     key=object_key,
                     dtype=dtype,

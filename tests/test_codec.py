@@ -111,6 +111,9 @@ def test_round_trip_every_dtype_and_codec(
     assert bytes(codec.decode(blob, key=KEY, expect_raw_len=len(raw))) == raw
     if requested is CodecId.RAW or not raw:
         assert header.codec is CodecId.RAW
+    view = codec.encode_view(raw, key=KEY, dtype=dtype, shape=shape, codec=requested)
+    assert (view.readonly, view.format, view.ndim) == (True, "B", 1)
+    assert view == blob
 
 
 @FAST
@@ -487,6 +490,38 @@ def test_encode_allocates_only_its_result() -> None:
     finally:
         tracemalloc.stop()
     assert peak < len(blob) + 64 * 1024
+
+
+def test_encode_view_codes_the_payload_in_place_and_owns_its_buffer(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """No final copy of the object (encode's join holds the GIL), and a buffer no later
+    encode on the thread reuses: a view handed to a PUT stays intact."""
+    first, second = bf16_normal(300_000, seed=1), bf16_normal(300_000, seed=2)
+    expected = codec.encode(first, key=KEY, dtype="bfloat16", shape=first.shape)
+
+    def no_join(*args: Any) -> bytes:
+        raise AssertionError("the plane codecs' object was joined")
+
+    monkeypatch.setattr(codec, "_assemble", no_join)
+    for requested, shape in (
+        (CodecId.PLANES_ZSTD, (300_000,)),
+        (CodecId.PLANES_REF, (5, 2, 3, 100, 100)),
+    ):
+        view = codec.encode_view(first, key=KEY, dtype="bfloat16", shape=shape, codec=requested)
+        assert codec.read_header(view).codec is requested
+        kept = bytes(view)
+        codec.encode_view(second, key=KEY, dtype="bfloat16", shape=shape, codec=requested)
+        monkeypatch.undo()
+        codec.encode(second, key=KEY, dtype="bfloat16", shape=shape, codec=requested)
+        monkeypatch.setattr(codec, "_assemble", no_join)
+        assert bytes(view) == kept
+        assert not np.shares_memory(np.frombuffer(view, np.uint8), _zstd.local().payload(0))
+        np.testing.assert_array_equal(
+            np.frombuffer(codec.decode(view, key=KEY), np.uint16), first.view(np.uint16)
+        )
+    view = codec.encode_view(first, key=KEY, dtype="bfloat16", shape=first.shape)
+    assert view == expected
 
 
 def test_threads_encode_and_decode_independently() -> None:

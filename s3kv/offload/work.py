@@ -76,7 +76,7 @@ def save(
 ) -> Outcome:
     """Encode one block from its slot, seal it when keyed, PUT it. Never raises an S3KVError."""
     try:
-        blob = codec.encode(
+        blob: bytes | memoryview = codec.encode_view(
             arena.view(job.slot)[: job.nbytes],
             key=job.object_key,
             dtype=job.dtype,

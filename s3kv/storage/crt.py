@@ -51,6 +51,7 @@ from concurrent import futures
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 from awscrt import auth, http, s3  # type: ignore[import-untyped]
 from awscrt import io as crt_io
 from awscrt.exceptions import AwsCrtError  # type: ignore[import-untyped]
@@ -234,9 +235,7 @@ class CrtTransport:
         fields = [("Host", self.host), ("Content-Length", str(view.nbytes))]
         if if_none_match:
             fields.append(("If-None-Match", "*"))
-        # NOTE: BytesIO shares a bytes object's buffer; other buffers are copied once, as
-        # boto3's path copies them (it cannot send a memoryview).
-        body = io.BytesIO(data if isinstance(data, bytes) else view.cast("B"))
+        body = _BufferBody(view)
         progress = _Progress(f"put s3://{self.settings.bucket}/{key}", None)
         request = self._client.make_request(
             type=s3.S3RequestType.PUT_OBJECT,
@@ -310,6 +309,44 @@ class _Delegate:
             last = (current, auth.AwsCredentials(*current))
             self._last = last
         return last[1]
+
+
+class _BufferBody(io.RawIOBase):
+    """A PUT body that awscrt reads straight out of the caller's buffer.
+
+    awscrt reads a body through ``readinto`` from its own threads, taking the GIL for each
+    call. A BytesIO copies into awscrt's buffer holding the GIL (and, built on a
+    memoryview, copies the whole object once more first); here numpy copies, and lets go
+    of the GIL for the copy. Seekable, as awscrt may rewind a body to send it again.
+    """
+
+    def __init__(self, data: memoryview) -> None:
+        super().__init__()
+        self._data = np.frombuffer(data.cast("B"), np.uint8)
+        self._at = 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def readinto(self, buffer: Any) -> int:
+        n = max(0, min(len(buffer), self._data.size - self._at))
+        if n:
+            np.copyto(np.frombuffer(buffer, np.uint8, count=n), self._data[self._at : self._at + n])
+            self._at += n
+        return n
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._at, io.SEEK_END: self._data.size}[whence]
+        if base + offset < 0:
+            raise ValueError(f"seek to {base + offset}: before the start of the body")
+        self._at = base + offset
+        return self._at
+
+    def tell(self) -> int:
+        return self._at
 
 
 def _target(netloc: str, path: str, settings: CrtSettings) -> tuple[str, str]:
