@@ -220,7 +220,8 @@ def _head(
     checksum: bytes,
     digest: bytes,
 ) -> bytes:
-    """The object's header, its crc32 included: ``_header_len(shape, sections)`` bytes."""
+    """The object's header, its crc32 included: ``_header_len(len(shape), sections)``
+    bytes."""
     header_len = _header_len(len(shape), len(layout.sections))
     raw_len = math.prod(shape) * dtype.itemsize
     fixed = _FIXED.pack(
@@ -315,7 +316,9 @@ def encode_view(
     ``benchmarks/bench_encode_ablation.py``). The buffer is never reused, so the view is
     valid for as long as it is referenced. It is ``raw_len`` plus about 260 KiB of coding
     room (a 1.47 MB block: about 1.7 MB held while the view lives, against its ~1 MB
-    object). Other codecs, and objects written RAW, are :func:`encode`'s ``bytes`` viewed.
+    object; about 260 KiB for any small block). Other codecs, and objects written RAW, are
+    :func:`encode`'s ``bytes`` viewed. Unlike ``bytes`` the view can be neither hashed nor
+    pickled: ``bytes(view)`` (a copy) where that is needed.
 
     Arguments and errors are :func:`encode`'s.
     """

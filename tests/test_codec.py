@@ -38,6 +38,10 @@ KEY = "s3kv/v1/fp-0123/ab/ab12cd34"
 FAST = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 shapes = st.lists(st.integers(0, 9), min_size=0, max_size=4).map(tuple)
+#: (layers, 2, heads, tokens, head_dim): PLANES_REF's geometry.
+hnd_shapes = st.tuples(
+    st.integers(1, 3), st.just(2), st.integers(1, 3), st.integers(2, 9), st.integers(1, 9)
+)
 
 
 def bf16_normal(n: int, seed: int = 0, scale: float = 1.0) -> np.ndarray:
@@ -490,6 +494,37 @@ def test_encode_allocates_only_its_result() -> None:
     finally:
         tracemalloc.stop()
     assert peak < len(blob) + 64 * 1024
+
+
+@FAST
+@given(
+    dtype=st.sampled_from(DType),
+    requested=st.sampled_from(CodecId),
+    shape=hnd_shapes,
+    kind=st.sampled_from(["random", "zeros", "values"]),
+    seed=st.integers(0, 2**16),
+)
+def test_encode_view_is_encode_for_block_shapes(
+    dtype: DType, requested: CodecId, shape: tuple[int, ...], kind: str, seed: int
+) -> None:
+    raw = make_raw(dtype, shape, kind, seed)
+    blob = codec.encode(raw, key=KEY, dtype=dtype, shape=shape, codec=requested)
+    view = codec.encode_view(raw, key=KEY, dtype=dtype, shape=shape, codec=requested)
+    assert view == blob
+    assert bytes(codec.decode(view, key=KEY, expect_raw_len=len(raw))) == raw
+
+
+def test_encode_view_joins_where_the_header_is_not_as_planned(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A header longer than planned (a bug in the planning) costs the copy, not the bytes."""
+    words = bf16_normal(300_000, seed=4)
+    expected = codec.encode(words, key=KEY, dtype="bfloat16", shape=words.shape)
+    planned = _planes.planes_room
+    monkeypatch.setattr(_planes, "planes_room", lambda n: (planned(n)[0] + 1, planned(n)[1]))
+    view = codec.encode_view(words, key=KEY, dtype="bfloat16", shape=words.shape)
+    assert view == expected
+    assert isinstance(view.obj, bytes)  # NOTE: joined
 
 
 def test_encode_view_codes_the_payload_in_place_and_owns_its_buffer(

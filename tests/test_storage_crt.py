@@ -628,12 +628,15 @@ def test_failed_requests_leave_nothing_alive(moto_server: str, aws_env: None) ->
     assert live_requests() == before
 
 
-def test_an_encoded_view_is_put_as_is_and_reads_back(moto_server: str, aws_env: None) -> None:
+def test_an_encoded_view_is_put_as_is_and_reads_back(
+    moto_server: str, aws_env: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
     # The save path PUTs codec.encode_view's memoryview: awscrt reads it through
     # _BufferBody.readinto (numpy copies, without the GIL), not a BytesIO copy of it.
     import numpy as np
 
     from s3kv import codec
+    from s3kv.storage import crt
 
     bucket = unique_bucket()
     ensure_bucket(make_client(s3_config(moto_server, bucket)), bucket)
@@ -643,14 +646,42 @@ def test_an_encoded_view_is_put_as_is_and_reads_back(moto_server: str, aws_env: 
              >> 16).astype(np.uint16)  # fmt: skip
     view = codec.encode_view(words, key="blk", dtype="bfloat16", shape=words.shape)
     assert isinstance(view.obj, np.ndarray)  # NOTE: the plane codec's own buffer
+
+    bodies: list[Any] = []
+
+    class Spy(crt._BufferBody):
+        def __init__(self, data: memoryview) -> None:
+            super().__init__(data)
+            bodies.append(self)
+
+    monkeypatch.setattr(crt, "_BufferBody", Spy)
     assert backend.put("blk", view) is True
+    (body,) = bodies  # NOTE: read in place, not a copy
+    assert np.shares_memory(body._data, np.frombuffer(view, np.uint8))
     assert backend.get("blk") == view
     assert backend.put("small", memoryview(b"abc")) is True
     assert backend.get("small") == b"abc"
+    assert backend.put("empty", memoryview(b"")) is True
+    assert backend.get("empty") == b""
+    changing = bytearray(b"before")  # NOTE: a writable buffer is copied (awscrt may read late)
+    assert backend.put("writable", changing) is True
+    assert not np.shares_memory(bodies[-1]._data, np.frombuffer(changing, np.uint8))
+    assert backend.get("writable") == b"before"
 
 
 def test_the_put_body_reads_in_pieces_and_rewinds() -> None:
+    from awscrt.io import InputStream  # type: ignore[import-untyped]
+
     from s3kv.storage.crt import _BufferBody
+
+    # NOTE: as awscrt reads it: InputStream calls readinto with a writable byte view
+    stream = InputStream(_BufferBody(memoryview(b"0123456789")))
+    first, rest = memoryview(bytearray(4)), memoryview(bytearray(16))
+    assert stream._read_into_memoryview(first) == 4
+    assert stream._read_into_memoryview(rest) == 6
+    assert (bytes(first), bytes(rest[:6])) == (b"0123", b"456789")
+    assert stream._read_into_memoryview(rest) == 0  # NOTE: the end
+    assert InputStream(_BufferBody(memoryview(b"")))._read_into_memoryview(first) == 0
 
     data = bytes(range(256)) * 40
     body = _BufferBody(memoryview(data))
@@ -671,6 +702,12 @@ def test_the_put_body_reads_in_pieces_and_rewinds() -> None:
     assert body.seek(5, os.SEEK_CUR) == 10
     with pytest.raises(ValueError, match="before the start"):
         body.seek(-11, os.SEEK_CUR)
+    with pytest.raises(ValueError, match="whence 7"):
+        body.seek(0, 7)
+    words = memoryview(bytearray(8)).cast("H")  # NOTE: a typed buffer is filled by bytes
+    assert body.seek(0) == 0
+    assert body.readinto(words) == 8
+    assert words.cast("B").tobytes() == data[:8]
 
 
 def test_refusing_an_oversized_object_reads_at_most_max_bytes_plus_one(

@@ -232,6 +232,10 @@ class CrtTransport:
             AwsCrtError: the PUT failed (a refused condition is an ``S3ResponseError`` 412).
         """
         view = memoryview(data)
+        if not view.readonly:
+            # NOTE: awscrt reads the body from its own threads, possibly after a timeout
+            # here has returned: a buffer the caller may change or resize is copied first.
+            view = memoryview(bytes(view))
         fields = [("Host", self.host), ("Content-Length", str(view.nbytes))]
         if if_none_match:
             fields.append(("If-None-Match", "*"))
@@ -332,14 +336,18 @@ class _BufferBody(io.RawIOBase):
         return True
 
     def readinto(self, buffer: Any) -> int:
-        n = max(0, min(len(buffer), self._data.size - self._at))
+        target = memoryview(buffer).cast("B")
+        n = max(0, min(target.nbytes, self._data.size - self._at))
         if n:
-            np.copyto(np.frombuffer(buffer, np.uint8, count=n), self._data[self._at : self._at + n])
+            np.copyto(np.frombuffer(target, np.uint8, count=n), self._data[self._at : self._at + n])
             self._at += n
         return n
 
     def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
-        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._at, io.SEEK_END: self._data.size}[whence]
+        bases = {io.SEEK_SET: 0, io.SEEK_CUR: self._at, io.SEEK_END: self._data.size}
+        if whence not in bases:
+            raise ValueError(f"seek: whence {whence} is not SEEK_SET, SEEK_CUR or SEEK_END")
+        base = bases[whence]
         if base + offset < 0:
             raise ValueError(f"seek to {base + offset}: before the start of the body")
         self._at = base + offset
