@@ -48,6 +48,12 @@ staging 3.6-3.9x -> 4.9-5.2x. On a second host with the final code
 (``...-framed-final.jsonl``): decode at 8 threads 7,233-7,397 MB/s, 95-97% of 8 processes'
 7,620 MB/s (which scaled 5.7x there). Encode is unchanged.
 
+Encode in place (2026-11-29, ``codec_threads-h200-host-2026-11-29-encode-view.jsonl``, three
+rounds): ``encode_view`` codes the payload into the object's own buffer and skips the final
+copy under the GIL; at 8 threads planes-zstd 3,394-3,768 against ``encode``'s 2,869-3,476
+MB/s, planes-ref 2,622-2,862 against 2,111-2,204 (``bench_encode_ablation.py`` measured what
+each part of the encoder costs threads).
+
 ``--codec planes-ref`` times the codec cases with PLANES_REF (blocks recorded with the
 connector's 5-D shape); rows name the codec.
 
