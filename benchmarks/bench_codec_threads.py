@@ -244,6 +244,12 @@ def main() -> int:
         np.multiply(planes_hi[t], 256, out=words, dtype=np.uint16)
         np.bitwise_or(words, planes_hi[t], out=words)
 
+    def encoding(encoder: Callable[..., object]) -> Callable[[int, int], object]:
+        return lambda t, i: encoder(
+            blocks[i % 16], key=keys[i % 16], dtype=codec.DType.BFLOAT16, shape=shape,
+            codec=codec_id,
+        )  # fmt: skip
+
     cases: dict[str, Callable[[], Callable[[int, int], object]]] = {
         "decode_into_fresh": lambda: (
             lambda t, i: codec.decode(
@@ -254,24 +260,8 @@ def main() -> int:
             lambda t, i: codec.decode(blobs[i % 16], key=keys[i % 16], out=reused[t].data)
         ),
         "stage": staging_case,
-        "encode": lambda: (
-            lambda t, i: codec.encode(
-                blocks[i % 16],
-                key=keys[i % 16],
-                dtype=codec.DType.BFLOAT16,
-                shape=shape,
-                codec=codec_id,
-            )
-        ),
-        "encode_view": lambda: (
-            lambda t, i: codec.encode_view(
-                blocks[i % 16],
-                key=keys[i % 16],
-                dtype=codec.DType.BFLOAT16,
-                shape=shape,
-                codec=codec_id,
-            )
-        ),
+        "encode": lambda: encoding(codec.encode),
+        "encode_view": lambda: encoding(codec.encode_view),
         "xxh3_128": lambda: lambda t, i: xxhash.xxh3_128(blocks[i % 16].data).digest(),
         "zstd_plane_decode": lambda: plane_decode_only,
         "plane_merge": lambda: merge_only,

@@ -913,25 +913,22 @@ def report(
     def cold(name: str, field: str) -> float:
         return median([w[name]["cold"][field] for w, _ in pairs])
 
+    # NOTE: each as "<row>_ms" with the connector and "<row>_without_connector_ms" without
+    fields = {"iter1_host": "iter1_ms", "iter2_host": "iter2_ms", "iter1_gpu": "iter1_gpu_ms",
+              "iter1_gc": "iter1_gc_ms", "iter2_gc": "iter2_gc_ms",
+              "token_after_iter1": "token_after_iter1_ms"}  # fmt: skip
+    both_ways = {}
+    for row, field in fields.items():
+        both_ways[f"{row}_ms"] = cold("conn", field)
+        both_ways[f"{row}_without_connector_ms"] = cold("ref", field)
     emit(out, "gpu.cold_first_iterations_ms", cold("conn", "ttft_ms"), "ms",
          note="cold prefill with the connector: host time of iterations 1 and 2, the GPU "
               "time of iteration 1's work, the connector's host time and the garbage "
               "collections in iterations 1 and 2, and when the first token came after "
               "iteration 1 (overlap: iteration 2 commits it)",
-         iter1_host_ms=cold("conn", "iter1_ms"),
-         iter1_host_without_connector_ms=cold("ref", "iter1_ms"),
-         iter2_host_ms=cold("conn", "iter2_ms"),
-         iter2_host_without_connector_ms=cold("ref", "iter2_ms"),
-         iter1_gpu_ms=cold("conn", "iter1_gpu_ms"),
-         iter1_gpu_without_connector_ms=cold("ref", "iter1_gpu_ms"),
+         **both_ways,
          iter1_connector_ms=_medians([w["conn"]["cold"]["iter1_connector_ms"] for w, _ in pairs]),
          iter2_connector_ms=_medians([w["conn"]["cold"]["iter2_connector_ms"] for w, _ in pairs]),
-         iter1_gc_ms=cold("conn", "iter1_gc_ms"),
-         iter1_gc_without_connector_ms=cold("ref", "iter1_gc_ms"),
-         iter2_gc_ms=cold("conn", "iter2_gc_ms"),
-         iter2_gc_without_connector_ms=cold("ref", "iter2_gc_ms"),
-         token_after_iter1_ms=cold("conn", "token_after_iter1_ms"),
-         token_after_iter1_without_connector_ms=cold("ref", "token_after_iter1_ms"),
          ttft_without_connector_ms=cold("ref", "ttft_ms"), **common)  # fmt: skip
     emit(out, "gpu.save_overhead_pct", paired_pct(dec_conn, dec_ref), "%", step="decode",
          median_ratio_pct=pct(dec_conn, dec_ref),

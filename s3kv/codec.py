@@ -252,15 +252,20 @@ def _header_len(ndim: int, sections: int) -> int:
     return _MIN_HEADER + 8 * ndim + _SECTION.size * sections
 
 
-def _assemble(
-    codec: CodecId,
-    layout: _planes.Layout,
-    dtype: DType,
-    shape: tuple[int, ...],
-    checksum: bytes,
-    digest: bytes,
-) -> bytes:
-    return b"".join([_head(codec, layout, dtype, shape, checksum, digest), *layout.pieces])
+def _assemble(head: bytes, pieces: list[Any]) -> bytes:
+    """The object as one ``bytes``: a copy of every piece, made holding the GIL."""
+    return b"".join([head, *pieces])
+
+
+def _owned_buffer(ndim: int, planned: tuple[int, int] | None) -> tuple[U8 | None, int]:
+    """For :func:`encode_view`: a fresh buffer for an object of ``planned`` (sections,
+    payload room) with room for its header in front, and the header's length; ``(None,
+    0)`` when nothing is planned (the thread's scratch, then a join)."""
+    if planned is None:
+        return None, 0
+    sections, room = planned
+    header_len = _header_len(ndim, sections)
+    return np.empty(header_len + room, np.uint8), header_len
 
 
 def encode(
@@ -362,17 +367,14 @@ def _encode(
         codec = CodecId.PLANES_ZSTD  # NOTE: no channel geometry: the plain plane codec
     if codec is not CodecId.RAW and raw_len > 0:
         if codec is CodecId.PLANES_REF and geometry is not None:
-            if owned:
-                sections, room = _planes.ref_room(raw_len, geometry)
-                header_len = _header_len(len(shape), sections)
-                out = np.empty(header_len + room, np.uint8)
+            planned = _planes.ref_room(raw_len, geometry) if owned else None
+            out, header_len = _owned_buffer(len(shape), planned)
             payload = None if out is None else out[header_len:]
             layout = _planes.encode_ref(data, geometry, hasher, payload)
         elif codec is CodecId.PLANES_ZSTD and dtype.itemsize == 2:
-            if owned:
-                sections, room = _planes.planes_room(raw_len)
-                header_len = _header_len(len(shape), sections)
-                out = np.empty(header_len + room, np.uint8)
+            out, header_len = _owned_buffer(
+                len(shape), _planes.planes_room(raw_len) if owned else None
+            )
             payload = None if out is None else out[header_len:]
             layout = _planes.encode_planes(data, hasher, payload)
         else:
@@ -381,15 +383,12 @@ def _encode(
     else:
         hasher.update(data.data)
     if layout is None:
-        codec, layout = CodecId.RAW, _planes.stored(data)
-    elif out is not None:
-        head = _head(codec, layout, dtype, shape, hasher.digest(), key_digest(key))
-        body = layout.pieces[0]
-        if len(head) == header_len and len(layout.pieces) == 1:  # NOTE: as planned
-            out[:header_len] = np.frombuffer(head, np.uint8)
-            return out.data[: header_len + len(body)].toreadonly()
-        return _assemble(codec, layout, dtype, shape, hasher.digest(), key_digest(key))
-    return _assemble(codec, layout, dtype, shape, hasher.digest(), key_digest(key))
+        codec, layout, out = CodecId.RAW, _planes.stored(data), None
+    head = _head(codec, layout, dtype, shape, hasher.digest(), key_digest(key))
+    if out is not None and len(head) == header_len and len(layout.pieces) == 1:  # as planned
+        out[:header_len] = np.frombuffer(head, np.uint8)
+        return out.data[: header_len + len(layout.pieces[0])].toreadonly()
+    return _assemble(head, layout.pieces)
 
 
 def max_object_len(raw_len: int) -> int:
