@@ -31,7 +31,7 @@ import sys
 import threading
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, fields
-from typing import Final, NamedTuple, NewType, overload
+from typing import Final, NewType, overload
 
 import numpy as np
 import numpy.typing as npt
@@ -317,28 +317,113 @@ KEY_OVERHEAD: Final = 57
 _PLAIN: Final = _Inputs(None, None, (), None)
 
 
-class KeyRun(NamedTuple):
+class KeyRun:
     """Consecutive plain blocks whose keys are still to be hashed: what :func:`chain_from`
     needs, so that whoever uses the keys can hash them later, elsewhere.
 
-    Attributes:
+    The tokens may be given as bytes, or (:meth:`deferred`) as a range of a token sequence
+    that is converted the first time :attr:`tokens` is read: by whoever hashes the keys or
+    pickles the run, not by whoever plans it. Immutable; equal runs compare equal.
+
+    Args:
         parent: The key of the block before the run (never a sequence's first block).
         tokens: The run's tokens, uint32 little-endian, whole blocks.
         tokens_per_block: Tokens per block.
     """
 
+    __slots__ = ("_source", "_tokens", "blocks", "parent", "tokens_per_block")
+
     parent: bytes
-    tokens: bytes
     tokens_per_block: int
+    #: Blocks in the run.
+    blocks: int
+    _tokens: bytes | None  # None until the deferred source is converted
+    _source: tuple[Sequence[int], int, int] | None  # (tokens, start, stop) still to convert
+
+    def __init__(self, parent: bytes, tokens: bytes, tokens_per_block: int) -> None:
+        self._init(parent, tokens_per_block, len(tokens) // 4, bytes(tokens), None)
+
+    @classmethod
+    def deferred(
+        cls, parent: bytes, source: Sequence[int], start: int, stop: int, tokens_per_block: int
+    ) -> KeyRun:
+        """The run of ``source[start:stop]``, referenced and converted on first read.
+
+        ``stop - start`` must be whole blocks, and ``source[start:stop]`` must not change
+        afterwards (a :class:`KeyChain`'s tokens never do: its lists only grow).
+        """
+        run = cls.__new__(cls)
+        run._init(parent, tokens_per_block, max(0, stop - start), None, (source, start, stop))
+        return run
+
+    def _init(
+        self,
+        parent: bytes,
+        tokens_per_block: int,
+        n_tokens: int,
+        tokens: bytes | None,
+        source: tuple[Sequence[int], int, int] | None,
+    ) -> None:
+        _check_tokens_per_block(tokens_per_block)
+        setter = object.__setattr__
+        setter(self, "parent", bytes(parent))
+        setter(self, "tokens_per_block", tokens_per_block)
+        # NOTE: a partial block counts as none; SaveOps refuses runs that are not whole
+        setter(self, "blocks", n_tokens // tokens_per_block)
+        setter(self, "_tokens", tokens)
+        setter(self, "_source", source)
 
     @property
-    def blocks(self) -> int:
-        """Blocks in the run."""
-        return len(self.tokens) // (4 * self.tokens_per_block)
+    def nbytes(self) -> int:
+        """Bytes of :attr:`tokens` (known without converting a deferred source)."""
+        if self._source is not None:
+            _, start, stop = self._source
+            return 4 * (stop - start)
+        assert self._tokens is not None
+        return len(self._tokens)
+
+    @property
+    def tokens(self) -> bytes:
+        """The run's tokens, uint32 little-endian (a deferred source converted now, once).
+
+        Raises:
+            KeyDerivationError: a deferred source holds a token outside 0..2**32-1.
+        """
+        tokens = self._tokens
+        if tokens is None:
+            assert self._source is not None
+            source, start, stop = self._source
+            tokens = _token_bytes(source[start:stop])
+            # NOTE: two threads may both convert; each writes the same bytes
+            object.__setattr__(self, "_tokens", tokens)
+            object.__setattr__(self, "_source", None)
+        return tokens
 
     def keys(self) -> list[BlockHash]:
         """The run's keys (what :class:`KeyChain` gives for the same blocks)."""
         return chain_from(self.parent, self.tokens, self.tokens_per_block)
+
+    def __setattr__(self, name: str, value: object) -> None:
+        raise AttributeError(f"KeyRun is immutable: cannot set {name}")
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, KeyRun):
+            return NotImplemented
+        return (self.parent, self.tokens_per_block, self.tokens) == (
+            other.parent,
+            other.tokens_per_block,
+            other.tokens,
+        )
+
+    def __hash__(self) -> int:
+        return hash((self.parent, self.tokens_per_block, self.tokens))
+
+    def __reduce__(self) -> tuple[type[KeyRun], tuple[bytes, bytes, int]]:
+        # NOTE: travels as bytes: 4 per token, whatever the source was
+        return (KeyRun, (self.parent, self.tokens, self.tokens_per_block))
+
+    def __repr__(self) -> str:
+        return f"KeyRun({self.blocks} blocks after {self.parent.hex()[:8]})"
 
 
 def chain_from(parent: bytes, token_bytes: bytes, tokens_per_block: int) -> list[BlockHash]:
@@ -478,8 +563,13 @@ class KeyChain(Sequence[BlockHash]):
             tpb, base = self._tpb, self._base
             if have < start or have >= stop or start * tpb < base:  # NOTE: tokens dropped
                 return None
-            tokens = _token_bytes(self._tokens[start * tpb - base : stop * tpb - base])
-            return KeyRun(self._keys[start - 1], tokens, tpb)
+            # NOTE: referenced, converted by whoever hashes the run (the workers, after the
+            # forward pass is queued): 8K tokens cost the scheduler ~90 us to convert here.
+            # self._tokens only ever grows in place or is replaced, so the range holds.
+            source = self._tokens
+            return KeyRun.deferred(
+                self._keys[start - 1], source, start * tpb - base, stop * tpb - base, tpb
+            )
 
     def extend(self, tokens: Sequence[int]) -> None:
         """Append ``tokens`` (those after the ones given so far).

@@ -97,7 +97,7 @@ def test_runs_that_do_not_fit_the_blocks_are_refused() -> None:
     with pytest.raises(ValueError, match="do not describe the same blocks"):
         SaveOps([1] * 2, [0, 1], b"", b"", [(0, run)])
     with pytest.raises(ValueError, match="does not fit"):  # NOTE: not whole blocks
-        SaveOps([1] * 3, [0, 1, 2], b"", b"", [(0, run._replace(tokens=bytes(4 * 4 * 3 + 4)))])
-    two = run._replace(tokens=bytes(4 * 4 * 2))
+        SaveOps([1] * 3, [0, 1, 2], b"", b"", [(0, KeyRun(key(1), bytes(4 * 4 * 3 + 4), 4))])
+    two = KeyRun(key(1), bytes(4 * 4 * 2), 4)
     with pytest.raises(ValueError, match="reach block 4 of 3"):
         SaveOps([1] * 3, [0, 1, 2], key(1), key(0), [(2, two)])

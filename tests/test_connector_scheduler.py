@@ -709,3 +709,50 @@ def test_a_malformed_prompt_raises_before_any_pin() -> None:
     with pytest.raises(KeyDerivationError, match="tokens"):
         core.get_num_new_matched_tokens(view(FakeRequest(1, prompt)), 0)
     assert store.staging.remove(chain_hashes(PROMPT, TPB)[0]), "nothing was left pinned"
+
+
+def test_a_cold_prompts_tokens_are_converted_by_whoever_hashes_their_keys(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Converting 8K tokens cost the scheduler ~90 us before the forward pass; the workers
+    # convert them when they hash the keys, after it is queued.
+    import s3kv.keys
+
+    converted: list[int] = []
+    original = s3kv.keys._token_bytes
+    monkeypatch.setattr(
+        s3kv.keys, "_token_bytes", lambda tokens: converted.append(len(tokens)) or original(tokens)
+    )
+    core = core_for(make_store(MemoryBackend()))
+    prompt = list(range(1000, 1000 + 100 * TPB + 1))  # 100 full blocks
+    core.get_num_new_matched_tokens(view(FakeRequest(1, prompt)), 0)
+    blocks = list(range(101))
+    core.update_state_after_alloc(1, blocks)
+    meta = core.build_connector_meta([first_report(1, prompt, blocks, 0, len(prompt))], [])
+    assert sum(converted) <= KeyChain.STEP * TPB, "only the tokens of the claim's lookup"
+    assert [op.key for op in meta.saves] == chain_hashes(prompt, TPB)[:100]
+    assert sum(converted) >= 100 * TPB
+
+
+def test_a_first_reports_tokens_are_kept_without_a_copy_and_never_changed() -> None:
+    core = core_for(make_store(MemoryBackend()), save_decode_blocks=True)
+    core.get_num_new_matched_tokens(view(FakeRequest(1, PROMPT)), 0)
+    core.update_state_after_alloc(1, [0, 1, 2, 3, 4])
+    report = first_report(1, PROMPT, [0, 1, 2, 3, 4], 0, 17)
+    core.build_connector_meta([report], [])
+    decode = core.build_connector_meta([], [RequestData(1, [7, 8, 9], [], 19, 1)])
+    assert report.new_tokens == PROMPT, "the engine's list is not appended to"
+    assert decode.saves[0].key == chain_hashes([*PROMPT, 7, 8, 9], TPB)[4]
+
+
+def test_a_request_view_keeps_the_bindings_fresh_list_when_it_is_the_prompt() -> None:
+    tokens = list(PROMPT)
+
+    class Binding(FakeRequest):
+        def get_tokens(self, beam: int) -> list[int]:
+            return tokens  # NOTE: the binding converts afresh each call; this is that list
+
+    assert view(Binding(1, PROMPT)).prompt is tokens
+    longer = Binding(2, PROMPT)
+    tokens.append(5)  # a generated token: the view is the prompt alone
+    assert list(view(longer).prompt) == PROMPT

@@ -94,7 +94,7 @@ class SaveOps(Sequence[SaveOp]):
             )
         at = 0
         for index, run in derived:
-            whole = run.blocks * 4 * run.tokens_per_block == len(run.tokens)
+            whole = run.blocks * 4 * run.tokens_per_block == run.nbytes
             if index < at or not whole or not run.blocks or len(run.parent) != HASH_BYTES:
                 raise ValueError(f"saves: a run of keys at block {index} does not fit")
             at = index + run.blocks

@@ -67,10 +67,13 @@ def request_view(request: Any, lora_revisions: Mapping[int, str] | None = None) 
     """The view of a TensorRT-LLM request (the C++ binding's attributes only)."""
     prompt_len = int(request.prompt_len)
     tokens = request.get_tokens(0)
-    # NOTE: the binding returns a fresh list of ints; one slice (a pointer copy) is the whole
-    # cost. Converting element by element took 10-17 ms at 128K tokens, on the scheduler's
-    # path under the block manager's lock; hashing checks the elements anyway.
-    prompt = tokens[:prompt_len] if isinstance(tokens, list) else list(tokens)[:prompt_len]
+    # NOTE: the binding returns a fresh list of ints, which is kept as it is when it holds
+    # just the prompt (before the first token, when the engine asks) and sliced (a pointer
+    # copy) otherwise. Converting element by element took 10-17 ms at 128K tokens, on the
+    # scheduler's path under the block manager's lock; hashing checks the elements anyway.
+    if not isinstance(tokens, list):
+        tokens = list(tokens)
+    prompt = tokens if len(tokens) == prompt_len else tokens[:prompt_len]
     return RequestView(int(request.request_id), prompt, key_inputs(request, lora_revisions))
 
 
