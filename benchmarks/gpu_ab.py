@@ -228,7 +228,10 @@ def executor_for(
         ),
         kv_connector_config=S3KV_CONNECTOR if connector else None,
     )
-    return PyExecutorEmulator(args, model, num_blocks=num_blocks)
+    # NOTE: with one rank TensorRT-LLM hands the workers the scheduler's metadata object
+    # itself (mpi_broadcast at one rank, tensorrt_llm/_utils.py @ed53795b), not a pickled
+    # copy as the emulator's tests do: the copy's cost is not the engine's.
+    return PyExecutorEmulator(args, model, num_blocks=num_blocks, copy_leader_results=False)
 
 
 class ConnectorTimer:

@@ -36,6 +36,7 @@ def engine(
     connector: bool = True,
     chunked: bool = True,
     graphs: bool = False,
+    copy: bool = True,
 ) -> PyExecutorEmulator:
     args = TorchLlmArgs(
         kv_cache_config=KvCacheConfig(
@@ -49,7 +50,7 @@ def engine(
     )
     return PyExecutorEmulator(
         args, tiny_model(TPB), num_blocks=96, runtime=runtime,  # type: ignore[arg-type]
-        stall_timeout_s=10,
+        stall_timeout_s=10, copy_leader_results=copy,
     )  # fmt: skip
 
 
@@ -93,6 +94,39 @@ def test_redeploy_hits_with_identical_tokens(
     assert scheduler.core is not None
     assert scheduler.core.manager == ("v2" if v2 else "v1")
     assert scheduler.core.tracked_requests == 0
+
+
+@pytest.mark.parametrize(
+    ("runtime", "overlap"), [("1.2", False), ("main", True)], ids=["1.2-plain", "main-overlap"]
+)
+def test_with_one_rank_the_workers_get_the_schedulers_metadata_itself_and_save_right(
+    file_bucket: Path, monkeypatch: pytest.MonkeyPatch, runtime: str, overlap: bool
+) -> None:
+    # TensorRT-LLM's mpi_broadcast returns the object itself with one rank (_utils.py
+    # @ed53795b): the workers hash the key runs the scheduler planned (KeyRun.deferred,
+    # still referencing the request's tokens), never a pickled copy of them.
+    sent: list[int] = []
+    bound: list[int] = []
+    build = S3KVConnectorScheduler.build_connector_meta
+    bind = S3KVConnectorWorker.bind_connector_meta
+    monkeypatch.setattr(
+        S3KVConnectorScheduler, "build_connector_meta",
+        lambda self, out: sent.append(id(meta := build(self, out))) or meta,
+    )  # fmt: skip
+    monkeypatch.setattr(
+        S3KVConnectorWorker, "bind_connector_meta",
+        lambda self, meta: bound.append(id(meta)) or bind(self, meta),
+    )  # fmt: skip
+    asks = [SYSTEMS[0] + prompt(5, seed=73), SYSTEMS[1] + prompt(7, seed=74)]
+    kw = {"runtime": runtime, "overlap": overlap, "v2": False, "copy": False}
+    expected, _ = serve(engine(connector=False, **kw), asks)
+    serve(engine(**kw), [SYSTEMS[0] + prompt(3, seed=75), SYSTEMS[1] + prompt(3, seed=76)])
+    assert sent
+    assert set(bound) <= set(sent), "the worker was bound the very objects"
+    process_state().close_all()
+    tokens, claimed = serve(engine(**kw), asks)
+    assert tokens == expected
+    assert claimed == [len(SYSTEMS[0]), len(SYSTEMS[1])]
 
 
 @pytest.mark.parametrize("v2", [False, True], ids=["v1", "v2"])

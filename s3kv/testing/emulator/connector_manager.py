@@ -5,8 +5,11 @@ Reproduces ``tensorrt_llm/_torch/pyexecutor/connectors/kv_cache_connector.py`` (
 same core) for the tensor-parallel path (no attention DP, one layer group, V1 or V2 manager):
 
 * The scheduler exists on rank 0 only; scheduler calls whose result every rank needs run
-  there and are broadcast (``_run_on_leader``). The result is always pickled and unpickled,
-  on rank 0 too and with one rank, so unpicklable metadata fails here as it would under TP.
+  there and are broadcast (``_run_on_leader``). By default the result is pickled and
+  unpickled, on rank 0 too and with one rank, so unpicklable metadata fails here as it would
+  under TP; ``copy_one_rank=False`` hands one rank the object itself, as TensorRT-LLM does
+  (``mpi_broadcast`` is ``bcast(...) if global_mpi_size() > 1 else obj``,
+  ``tensorrt_llm/_utils.py`` @``ed53795b``), for benchmarks that time the engine's path.
 * ``get_num_new_matched_tokens`` (V1) rejects generation-only requests and ``(0, True)``,
   records async loads and the claimed count (subtracted from ``computed_position`` in the
   request's first report, then forgotten). It is ``query_num_new_matched_tokens`` (no side
@@ -178,6 +181,7 @@ class KvCacheConnectorManager:
         *,
         collectives: Collectives | None = None,
         stream: Callable[[], Any] = lambda: None,
+        copy_one_rank: bool = True,
     ) -> None:
         """Create the manager.
 
@@ -187,6 +191,9 @@ class KvCacheConnectorManager:
             collectives: Rank and collectives; default :func:`s3kv.connector.comm.get_collectives`.
             stream: Returns the stream handed to the layer hooks (TensorRT-LLM passes
                 ``torch.cuda.current_stream()``; ``None`` on the CPU).
+            copy_one_rank: With one rank, still hand over a pickled copy of the leader's
+                results (checks that they survive the trip); ``False``: the objects
+                themselves, as TensorRT-LLM does.
 
         Raises:
             AssertionError: A scheduler on a rank other than 0, or none on rank 0.
@@ -197,6 +204,7 @@ class KvCacheConnectorManager:
         self.worker = worker
         self.scheduler = scheduler
         self._stream = stream
+        self._copy = copy_one_rank or self.collectives.world_size > 1
         self.new_async_requests = AsyncRequests()  # not yet passed to get_finished
         self.pending_async_requests = AsyncRequests()  # passed, not yet returned locally
         self.local_finished_async_requests = AsyncRequests()  # returned here, not everywhere
@@ -209,9 +217,11 @@ class KvCacheConnectorManager:
     def _run_on_leader(self, f: Callable[[KvCacheConnectorScheduler], T]) -> T:
         res: Any = None
         if self.scheduler is not None:
-            # NOTE: pickled even on rank 0 and with one rank: under TensorRT-LLM the other
-            # ranks only ever see an unpickled copy, so the result must survive the trip.
-            res = pickle.loads(pickle.dumps(f(self.scheduler)))
+            # NOTE: pickled on rank 0 too, and by default with one rank: under TensorRT-LLM
+            # the other ranks only ever see an unpickled copy, so the result must survive it.
+            res = f(self.scheduler)
+            if self._copy:
+                res = pickle.loads(pickle.dumps(res))
         result: T = self.collectives.broadcast(res, root=0)
         return result
 

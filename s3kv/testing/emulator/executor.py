@@ -108,6 +108,7 @@ class PyExecutorEmulator:
         stall_timeout_s: float = 60.0,
         late_device: bool | None = None,
         runtime: Literal["1.2", "main"] = "main",
+        copy_leader_results: bool = True,
     ) -> None:
         """Build the executor, its KV pool and (optionally) the connector.
 
@@ -139,6 +140,10 @@ class PyExecutorEmulator:
                 available. ``"1.2"`` (the 155 kB py_executor.py, stored-file id 3542389387):
                 no ``wait_for_initialization``, ``handle_metadata`` only inside
                 ``_kv_connector_start_batch``, V1 only.
+            copy_leader_results: With one rank, hand the connector's workers a pickled copy
+                of the scheduler's results (checks they survive TP's broadcast); ``False``:
+                the objects themselves, as TensorRT-LLM does with one rank (see
+                :class:`~s3kv.testing.emulator.connector_manager.KvCacheConnectorManager`).
 
         Raises:
             UnsupportedConfiguration: A configuration TensorRT-LLM rejects with a connector,
@@ -188,7 +193,11 @@ class PyExecutorEmulator:
             worker, scheduler = _instantiate(llm_args, *classes, rank=rank)
             forward_callable = worker.register_forward_pass_callable()
             self.connector_manager = KvCacheConnectorManager(
-                worker, scheduler, collectives=self.collectives, stream=self.current_stream
+                worker,
+                scheduler,
+                collectives=self.collectives,
+                stream=self.current_stream,
+                copy_one_rank=copy_leader_results,
             )
         _check_executor_envelope(llm_args, runtime, connector=classes is not None)
         self.pool = self.model.new_pool(num_blocks)
