@@ -19,6 +19,13 @@ the calling thread (exclusive time; what the I/O threads do meanwhile is not cou
 ``scheduler.request_view_ms``: the adapter's ``request_view`` for the prompt (also on the
 engine's path, before the core is called).
 
+``scheduler.cold_prompt_first_iteration_us``: what a cold prompt (nothing in the bucket)
+costs the engine's thread before its first forward pass, through the adapter's path:
+``request_view`` of an emulated request binding, the claim, ``update_state_after_alloc`` and
+the first ``build_connector_meta`` (``view_us``, ``claim_us``, ``alloc_us``, ``meta_us``; 8,152
+tokens, 32 per block; median over samples). ``cache`` says whether the CPU caches were first
+evicted (a 64 MiB pass, as the previous iteration's host work does) or not.
+
 ``scheduler.decode_step_us``: ``build_connector_meta`` in steady decode, every request of a
 batch (``batch`` 1, 64, 256; 1K-token prompts, saved) reported with one new token a step, as
 TensorRT-LLM reports running requests; median over 200 steps, and ``per_request_us``.
@@ -259,6 +266,48 @@ def bench_request_view(n_tokens: int, samples: int) -> None:
          note="adapter: RequestView from the binding (get_tokens copy included)")  # fmt: skip
 
 
+def bench_cold_first_iteration(samples: int, evict: bool, rng: np.random.Generator) -> None:
+    """A cold prompt's claim and first metadata, through the adapter's path (see above)."""
+    from s3kv.connector.api import RequestData
+    from s3kv.testing.emulator.request import LlmRequest
+
+    n_tokens, tpb = 8152, 32
+    case = Case(n_tokens, tpb, "none", rng)
+    sweep = np.ones(64 << 20, dtype=np.uint8) if evict else None
+    parts: dict[str, list[float]] = defaultdict(list)
+    for i in range(samples):
+        request = LlmRequest(i, [int(t) for t in rng.integers(0, 128_000, size=n_tokens)], 16)
+        core, store = case.fresh()
+        try:
+            gc.collect()
+            if sweep is not None:
+                sweep += 1  # NOTE: evicts the caches, as an iteration's other host work does
+            t0 = time.perf_counter()
+            view = request_view(request)
+            t1 = time.perf_counter()
+            core.get_num_new_matched_tokens(view, 0)
+            t2 = time.perf_counter()
+            blocks = list(range(n_tokens // tpb + 1))
+            core.update_state_after_alloc(i, blocks)
+            t3 = time.perf_counter()
+            report = RequestData(i, request.get_tokens(0), blocks, 0, n_tokens)  # the engine's
+            t4 = time.perf_counter()
+            meta = core.build_connector_meta([report], [])
+            t5 = time.perf_counter()
+            assert len(meta.saves) == n_tokens // tpb, len(meta.saves)
+            for name, seconds in (("view_us", t1 - t0), ("claim_us", t2 - t1),
+                                  ("alloc_us", t3 - t2), ("meta_us", t5 - t4)):  # fmt: skip
+                parts[name].append(seconds * 1e6)
+            parts["total"].append((t3 - t0 + t5 - t4) * 1e6)
+            store.start_held_walks()
+        finally:
+            store.close()
+    medians = {name: round(statistics.median(values), 1) for name, values in parts.items()}
+    emit("scheduler.cold_prompt_first_iteration_us", medians.pop("total"), "us",
+         tokens=n_tokens, tokens_per_block=tpb, samples=samples,
+         cache="evicted" if evict else "warm", **medians)  # fmt: skip
+
+
 def bench_decode_steps(batch: int, steps: int, rng: np.random.Generator) -> None:
     """Steady decode: ``batch`` requests whose prompts were planned, one token a step."""
     from s3kv.connector.api import RequestData
@@ -305,6 +354,8 @@ def main() -> int:
         for tpb in (32, 64):
             run_case(131072, tpb, maybe, samples, rng)
     bench_request_view(131072, samples)
+    for evict in (False, True):
+        bench_cold_first_iteration(20 if args.quick else 200, evict, rng)
     for batch in (1, 64, 256):
         bench_decode_steps(batch, 50 if args.quick else 200, rng)
     return 0

@@ -207,6 +207,11 @@ def _check_tokens_per_block(tokens_per_block: int) -> None:
 
 def _token_bytes(tokens: Sequence[int] | npt.NDArray[np.integer]) -> bytes:
     """``tokens`` as little-endian uint32 bytes, validated as :func:`tokens_to_array` does."""
+    if isinstance(tokens, array.array) and tokens.typecode == "I" and tokens.itemsize == 4:
+        if sys.byteorder != "little":
+            tokens = array.array("I", tokens)
+            tokens.byteswap()
+        return tokens.tobytes()  # NOTE: a compacted chain's tokens (KeyChain.compact)
     if isinstance(tokens, list | tuple):
         # NOTE: array("I") converts and range-checks a list of ints ~2-3x faster than
         # np.asarray (the scheduler's path at 128K tokens); anything it refuses takes the
@@ -338,19 +343,24 @@ class KeyRun:
     #: Blocks in the run.
     blocks: int
     _tokens: bytes | None  # None until the deferred source is converted
-    _source: tuple[Sequence[int], int, int] | None  # (tokens, start, stop) still to convert
+    _source: tuple[Sequence[int] | _ChainTokens, int, int] | None  # (tokens, start, stop)
 
     def __init__(self, parent: bytes, tokens: bytes, tokens_per_block: int) -> None:
         self._init(parent, tokens_per_block, len(tokens) // 4, bytes(tokens), None)
 
     @classmethod
     def deferred(
-        cls, parent: bytes, source: Sequence[int], start: int, stop: int, tokens_per_block: int
+        cls,
+        parent: bytes,
+        source: Sequence[int] | _ChainTokens,
+        start: int,
+        stop: int,
+        tokens_per_block: int,
     ) -> KeyRun:
         """The run of ``source[start:stop]``, referenced and converted on first read.
 
         ``stop - start`` must be whole blocks, and ``source[start:stop]`` must not change
-        afterwards (a :class:`KeyChain`'s tokens never do: its lists only grow).
+        afterwards (:meth:`KeyChain.run_of` reads a chain's tokens through the chain).
         """
         run = cls.__new__(cls)
         run._init(parent, tokens_per_block, max(0, stop - start), None, (source, start, stop))
@@ -362,7 +372,7 @@ class KeyRun:
         tokens_per_block: int,
         n_tokens: int,
         tokens: bytes | None,
-        source: tuple[Sequence[int], int, int] | None,
+        source: tuple[Sequence[int] | _ChainTokens, int, int] | None,
     ) -> None:
         _check_tokens_per_block(tokens_per_block)
         setter = object.__setattr__
@@ -401,7 +411,23 @@ class KeyRun:
 
     def keys(self) -> list[BlockHash]:
         """The run's keys (what :class:`KeyChain` gives for the same blocks)."""
+        source = self._source
+        if source is not None and isinstance(source[0], _ChainTokens):
+            hashed = source[0].keys_if_released(source[1], source[2])
+            if hashed is not None:  # NOTE: the chain hashed these blocks and let go of them
+                return hashed
         return chain_from(self.parent, self.tokens, self.tokens_per_block)
+
+    @property
+    def released(self) -> bool:
+        """The chain it reads hashed its blocks and let go of the tokens: :meth:`keys` still
+        answers (from the chain), :attr:`tokens` and pickling do not."""
+        source = self._source
+        return (
+            source is not None
+            and isinstance(source[0], _ChainTokens)
+            and source[1] < source[0].chain.first_held_token
+        )
 
     def __setattr__(self, name: str, value: object) -> None:
         raise AttributeError(f"KeyRun is immutable: cannot set {name}")
@@ -505,6 +531,16 @@ class KeyChain(Sequence[BlockHash]):
         return self._total
 
     @property
+    def tokens_per_block(self) -> int:
+        """Tokens per block."""
+        return self._tpb
+
+    @property
+    def first_held_token(self) -> int:
+        """The first token the chain still holds (those before it: their blocks are hashed)."""
+        return self._base
+
+    @property
     def hashed(self) -> int:
         """Blocks hashed so far."""
         return len(self._keys)
@@ -563,12 +599,11 @@ class KeyChain(Sequence[BlockHash]):
             tpb, base = self._tpb, self._base
             if have < start or have >= stop or start * tpb < base:  # NOTE: tokens dropped
                 return None
-            # NOTE: referenced, converted by whoever hashes the run (the workers, after the
-            # forward pass is queued): 8K tokens cost the scheduler ~90 us to convert here.
-            # self._tokens only ever grows in place or is replaced, so the range holds.
-            source = self._tokens
+            # NOTE: read from the chain when the run is hashed or pickled, not converted
+            # here (8K tokens: 30-90 us before the forward pass); through the chain, so that
+            # compact() can let go of the list the tokens came in.
             return KeyRun.deferred(
-                self._keys[start - 1], source, start * tpb - base, stop * tpb - base, tpb
+                self._keys[start - 1], _ChainTokens(self), start * tpb, stop * tpb, tpb
             )
 
     def extend(self, tokens: Sequence[int]) -> None:
@@ -582,11 +617,44 @@ class KeyChain(Sequence[BlockHash]):
         if self._inputs.extra is not None:
             raise KeyDerivationError("extra_ids: a chain with per-token extra ids cannot grow")
         with self._lock:
-            if self._owned and isinstance(self._tokens, list):
-                self._tokens.extend(tokens)
+            held = self._tokens
+            if self._owned and isinstance(held, list):
+                held.extend(tokens)
+            elif self._owned and isinstance(held, array.array):
+                packed = _packed(tokens)
+                if packed is not None:
+                    held.extend(packed)
+                else:  # NOTE: a bad token raises where its block is hashed, not here
+                    self._tokens = [*held.tolist(), *tokens]
             else:  # NOTE: the caller's sequence is never mutated
-                self._tokens, self._owned = [*self._tokens, *tokens], True
+                self._tokens, self._owned = [*held, *tokens], True
             self._total += len(tokens)
+
+    def compact(self) -> None:
+        """Hold the tokens not hashed yet as packed uint32 (an ``array``) instead of the list
+        they came in, which the chain then no longer references.
+
+        NOTE: a prompt's ints in a list cost every garbage collection that finds the list
+        young a pass over them; a cold 8K-token prompt's two lists added 0.15 ms of
+        collections before its first token (``gpu_ab.py``). Packing costs 30-90 us, so the
+        scheduler calls this once the forward pass is queued. Tokens that cannot be packed
+        (not all in 0..2**32-1) stay as they are: they raise where their block is hashed.
+        """
+        with self._lock:
+            if isinstance(self._tokens, array.array) or self._base >= self._total:
+                return
+            packed = _packed(self._tokens)
+            if packed is not None:
+                self._tokens, self._owned = packed, True
+
+    def tokens_of(self, start: int, stop: int) -> Sequence[int] | None:
+        """Tokens ``start .. stop - 1`` as held now, or ``None`` where the chain let go of
+        them (their blocks are all hashed: every full block was)."""
+        with self._lock:
+            base = self._base
+            if start < base:
+                return None
+            return self._tokens[start - base : stop - base]
 
     def _hash(self, have: int, upto: int) -> None:
         """Caller holds the lock."""
@@ -596,8 +664,47 @@ class KeyChain(Sequence[BlockHash]):
         keys = _hash_blocks(_token_bytes(chunk), tpb, parent, have, upto - have, self._inputs)
         self._keys.extend(keys)
         if upto == self._total // tpb:  # NOTE: every full block hashed: drop the prompt
-            self._tokens = list(self._tokens[upto * tpb - base :])
+            rest = self._tokens[upto * tpb - base :]
+            self._tokens = rest if isinstance(rest, array.array) else list(rest)
             self._owned, self._base = True, upto * tpb
+
+
+class _ChainTokens:
+    """A :class:`KeyChain`'s tokens as a deferred :class:`KeyRun` reads them: from whatever
+    the chain holds when the run is read, by absolute position."""
+
+    __slots__ = ("chain",)
+
+    def __init__(self, chain: KeyChain) -> None:
+        self.chain = chain
+
+    def __getitem__(self, index: slice) -> Sequence[int]:
+        tokens = self.chain.tokens_of(index.start, index.stop)
+        if tokens is None:
+            raise KeyDerivationError(
+                "a run's tokens were released once the chain hashed its blocks: read its keys"
+            )
+        return tokens
+
+    def keys_if_released(self, start: int, stop: int) -> list[BlockHash] | None:
+        """The keys of tokens ``start .. stop - 1`` (whole blocks) if the chain hashed them
+        and let go of the tokens, else ``None``."""
+        chain = self.chain
+        if start >= chain.first_held_token:
+            return None
+        tpb = chain.tokens_per_block
+        return chain.keys(start // tpb, stop // tpb)
+
+
+def _packed(tokens: Sequence[int]) -> array.array[int] | None:
+    """``tokens`` as an ``array("I")`` (4-byte items), or ``None`` where they do not fit."""
+    if not isinstance(tokens, list | tuple):
+        return None
+    try:
+        packed = array.array("I", tokens)
+    except (OverflowError, TypeError):
+        return None
+    return packed if packed.itemsize == 4 else None
 
 
 class _View(Sequence[BlockHash]):

@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import pickle
+import sys
 from collections.abc import Sequence
 from typing import overload
 
 import pytest
 
+from s3kv.connector.metadata import SaveOps
 from s3kv.errors import KeyDerivationError
-from s3kv.keys import KeyChain, KeyRun, chain_from, chain_hashes
+from s3kv.keys import KeyChain, KeyRun, chain_hashes
 
 TPB = 4
 
@@ -95,11 +97,52 @@ def test_growing_the_chain_leaves_a_planned_run_as_it_was() -> None:
     assert run is not None
     chain.extend(PROMPT[(step + 4) * TPB :])  # decode tokens: the chain's own list grows
     chain.ensure(len(chain))  # every full block hashed: the chain lets go of its tokens
-    assert run.keys() == chain_hashes(PROMPT, TPB)[step : step + 4]
-    assert chain_from(run.parent, run.tokens, TPB) == run.keys()
+    assert run.released, "every full block hashed: the chain let go of the tokens"
+    assert run.keys() == chain_hashes(PROMPT, TPB)[step : step + 4], "read from the chain"
+    with pytest.raises(KeyDerivationError, match="released"):
+        run.tokens  # noqa: B018
+    saves = SaveOps([1] * 4, [0, 1, 2, 3], b"", b"", [(0, run)])
+    wire = pickle.loads(pickle.dumps(saves))  # NOTE: travels hashed then
+    assert wire.key_list() == chain_hashes(PROMPT, TPB)[step : step + 4]
 
 
 def test_runs_are_immutable() -> None:
     run = KeyRun(bytes(16), bytes(4 * TPB), TPB)
     with pytest.raises(AttributeError, match="immutable"):
         run.parent = bytes(16)  # type: ignore[misc]
+
+
+def test_a_compacted_chain_packs_its_tokens_and_lets_go_of_their_list() -> None:
+    tokens = list(PROMPT)
+    chain = KeyChain(tokens, TPB)
+    chain.ensure(1)
+    run = chain.run_of(KeyChain.STEP, 20)
+    assert run is not None
+    held = sys.getrefcount(tokens)
+    chain.compact()
+    after = sys.getrefcount(tokens)  # NOTE: outside the assert, which holds its operands
+    assert after == held - 1, "neither the chain nor its run references the list"
+    assert run.keys() == chain_hashes(PROMPT, TPB)[KeyChain.STEP : 20]
+    assert list(chain) == chain_hashes(PROMPT, TPB)
+    chain.extend([5, 6, 7])  # NOTE: decode tokens go on the packed tokens
+    assert list(chain) == chain_hashes([*PROMPT, 5, 6, 7], TPB)
+
+
+def test_a_compacted_chain_still_takes_tokens_it_cannot_pack_and_raises_where_hashed() -> None:
+    step = KeyChain.STEP
+    chain = KeyChain(list(PROMPT[: step * TPB]), TPB)
+    chain.compact()
+    chain.extend([1, 2, -3, 4])  # NOTE: not packable: held as a list, raised when hashed
+    assert chain.keys(0, step) == chain_hashes(PROMPT, TPB)[:step]
+    with pytest.raises(KeyDerivationError):
+        chain.keys(0, step + 1)
+
+
+def test_tokens_that_cannot_be_packed_stay_as_they_came() -> None:
+    step = KeyChain.STEP
+    bad = [*PROMPT[: step * TPB], -1, *PROMPT[step * TPB + 1 :]]
+    chain = KeyChain(bad, TPB)
+    chain.compact()
+    assert chain.keys(0, step) == chain_hashes(PROMPT, TPB)[:step]
+    with pytest.raises(KeyDerivationError):
+        chain.keys(0, step + 1)

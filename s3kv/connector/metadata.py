@@ -214,11 +214,12 @@ class SaveOps(Sequence[SaveOp]):
         return hash(tuple(self))
 
     def __reduce__(self) -> tuple[type[SaveOps], tuple[object, ...]]:
-        # NOTE: runs travel unhashed: the receiver hashes them when it reads the keys
-        return (
-            SaveOps,
-            (self.request_ids, self.block_ids, *self._columns),
-        )
+        # NOTE: runs travel unhashed: the receiver hashes them when it reads the keys; a run
+        # whose chain let go of its tokens (hashed them) cannot, so its keys travel then.
+        columns = self._columns
+        if any(run.released for _, run in columns[2]):
+            columns = self._hashed()
+        return (SaveOps, (self.request_ids, self.block_ids, *columns))
 
     def __repr__(self) -> str:
         return f"SaveOps({len(self)} blocks of requests {sorted(set(self.request_ids))})"

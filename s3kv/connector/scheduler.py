@@ -66,8 +66,7 @@ class _Request:
     key_inputs: dict[str, Any] | None  # None: the key inputs are not all visible; no caching
     keys: KeyChain  # the prompt's, then (saves) the request's tokens' keys, hashed on demand
     sample: tuple[int, ...] = ()  # a few prompt tokens: a re-asked request is the same one
-    tokens: list[int] = field(default_factory=list)
-    tokens_owned: bool = True  # False: ``tokens`` is the first report's list, copied on extend
+    num_tokens: int = 0  # the request's tokens reported so far (the keys' chain holds them)
     block_ids: list[int] = field(default_factory=list)
     claim_start: int = 0  # first claimed block index
     claimed: list[BlockHash] = field(default_factory=list)
@@ -113,6 +112,7 @@ class SchedulerCore:
         self._load_seq = 0
         self._step = 0
         self._oldest_seen = 0  # no tracked request was last seen before this step
+        self._unpacked: dict[int, KeyChain] = {}  # chains asked for since the last forward
 
     def attach(self, shards: ShardStores, *, board: CompletionBoard, manager: str) -> None:
         """Start claiming and saving over ``shards`` (every worker has registered).
@@ -149,6 +149,7 @@ class SchedulerCore:
             keys = KeyChain(request.prompt, tpb, **args)
         state = _Request(rid, prompt_len, args, keys, sample, last_seen=self._step)
         self._requests[rid] = state
+        self._unpacked[rid] = keys
         shards = self.shards
         if shards is None or not shards.healthy:
             return 0
@@ -220,7 +221,7 @@ class SchedulerCore:
             if state is None:
                 continue
             state.last_seen = self._step
-            state.tokens, state.tokens_owned = _adopt(data.new_tokens)
+            state.num_tokens = len(data.new_tokens)
             if data.new_block_ids:
                 state.block_ids = list(data.new_block_ids)
             self._plan_loads(state)
@@ -295,14 +296,24 @@ class SchedulerCore:
     def _plan_request_saves(
         self, state: _Request, data: StepReport, *, first: bool
     ) -> _PlannedSaves:
+        # NOTE: the reports' token lists are not kept: a prompt's 8K ints held in a list
+        # across the next iterations cost every garbage collection there a pass over them
+        # (+0.15 ms of collections before a cold SmolLM2 prompt's first token, gpu_ab.py).
+        # The keys' chain holds the prompt; decode tokens go to it only if they are saved.
         if first:
             valid = data.computed_position + state.connector_tokens + data.num_scheduled_tokens
+            self._grow_chain(state, data.new_tokens[state.keys.num_tokens :])
             return self._plan_saves(state, valid)
-        if not state.tokens_owned:
-            state.tokens, state.tokens_owned = list(state.tokens), True
-        state.tokens.extend(data.new_tokens)
+        state.num_tokens += len(data.new_tokens)
+        self._grow_chain(state, data.new_tokens)
         state.block_ids.extend(data.new_block_ids)
         return self._plan_saves(state, data.computed_position + data.num_scheduled_tokens)
+
+    def _grow_chain(self, state: _Request, tokens: Sequence[int]) -> None:
+        """Append tokens past the prompt to the request's chain where decode blocks are saved
+        (their keys go on from the prompt's); otherwise no block past the prompt is keyed."""
+        if tokens and self.config.save_decode_blocks and state.key_inputs is not None:
+            state.keys.extend(tokens)
 
     def _plan_loads(self, state: _Request) -> None:
         if state.loads_planned or not state.claimed:
@@ -343,11 +354,9 @@ class SchedulerCore:
         decode = self.config.save_decode_blocks
         if not decode:
             limit = min(limit, state.prompt_len // tpb)
-        limit = min(limit, len(state.block_ids), len(state.tokens) // tpb)
+        limit = min(limit, len(state.block_ids), state.num_tokens // tpb, len(state.keys))
         # NOTE: once the prompt's last full block is planned nothing is left to save.
         state.saves_done = not decode and limit >= state.prompt_len // tpb
-        if limit > len(state.keys):  # decode blocks: the chain goes on from its last key
-            state.keys.extend(state.tokens[state.keys.num_tokens :])
         first = state.saved_blocks
         if limit <= first:
             return [], [], [], []
@@ -370,6 +379,25 @@ class SchedulerCore:
         state.saved_blocks = limit
         state.saves_planned += len(planned[0])
         return planned
+
+    def after_forward(self) -> None:
+        """Once an iteration's forward pass is queued (rank 0's ``wait_for_save``): start the
+        prefetch walks the claims held, and pack the prompts' token lists
+        (:meth:`KeyChain.compact <s3kv.keys.KeyChain.compact>`). Never raises.
+
+        NOTE: both wait for the pass: a walk would take the GIL from the engine's thread
+        while it plans, and packing an 8K-token prompt costs 30-90 us; the host then waits
+        for the device anyway (``_forward_step``, then ``_sample_async`` and
+        ``_update_requests``, ``py_executor.py`` @ 000439672005).
+        """
+        if self.shards is not None:
+            self.shards.start_walks()
+        chains, self._unpacked = self._unpacked, {}
+        for chain in chains.values():
+            try:
+                chain.compact()
+            except Exception:  # NOTE: unpacked tokens cost collections, never correctness
+                logger.exception("s3kv: packing a prompt's tokens failed")
 
     # --- pins ---
 
@@ -486,20 +514,6 @@ def _plan_span(
     if run is not None:
         derived.append((len(chosen), run))
         chosen.extend(ids[known_hi - lo :])
-
-
-def _adopt(tokens: Sequence[int]) -> tuple[list[int], bool]:
-    """A first report's tokens, and whether they are a copy of the scheduler's own.
-
-    A list is kept as it is: TensorRT-LLM builds each report's ``new_tokens`` afresh (a
-    slice of ``get_tokens``, or its whole fresh list) and keeps no reference to it
-    (``KvCacheConnectorSchedulerOutputRequest.update_and_build_data`` in
-    ``connectors/kv_cache_connector.py`` @``035ab91c``). Copying 8K of them cost ~20 us before
-    the forward pass; it is done only if decode tokens must be appended.
-    """
-    if isinstance(tokens, list):
-        return tokens, False
-    return list(tokens), True
 
 
 def _sample(prompt: Sequence[int]) -> tuple[int, ...]:

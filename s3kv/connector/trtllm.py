@@ -255,8 +255,8 @@ class S3KVConnectorWorker(WorkerBase):  # type: ignore[misc]
         self.rank = 0
         self.manager = "v1"  # "v2" once registered through register_kv_cache_layout
         self._pending_core: WorkerCore | None = None
-        #: Rank 0: starts the scheduler's held prefetch walks (after each forward pass).
-        self._start_walks: Callable[[], None] | None = None
+        #: Rank 0: the scheduler's work after each forward pass (SchedulerCore.after_forward).
+        self._after_forward: Callable[[], None] | None = None
         self._kv: Any = None
         self.config: S3KVConfig | None = None
         self.tp_size = 1
@@ -389,7 +389,7 @@ class S3KVConnectorWorker(WorkerBase):  # type: ignore[misc]
                 block_shape=self._block_shape(self._kv, self.config.codec),
             )
             core.board = scheduler.core.board
-            self._start_walks = shards_on.start_walks
+            self._after_forward = scheduler.core.after_forward
             scheduler.await_warm_start()
         self.core = core
 
@@ -495,11 +495,11 @@ class S3KVConnectorWorker(WorkerBase):  # type: ignore[misc]
                 self.core.save_after_forward(meta, stream)
         finally:
             # NOTE: the forward pass is queued: the scheduler's prefetch walks may now take
-            # the GIL (the engine's thread soon waits for the device: _forward_step, then
-            # _sample_async and _update_requests' wait on the previous batch, py_executor.py
-            # @ 000439672005).
-            if self._start_walks is not None:
-                self._start_walks()
+            # the GIL, and its prompts' tokens be packed (the engine's thread soon waits for
+            # the device: _forward_step, then _sample_async and _update_requests' wait on the
+            # previous batch, py_executor.py @ 000439672005).
+            if self._after_forward is not None:
+                self._after_forward()
 
     # NOTE: on failure nothing is returned: an id returned twice makes TensorRT-LLM's
     # extract_by_id raise KeyError out of the executor loop; ids not returned now are
