@@ -26,6 +26,12 @@ the first ``build_connector_meta`` (``view_us``, ``claim_us``, ``alloc_us``, ``m
 tokens, 32 per block; median over samples). ``cache`` says whether the CPU caches were first
 evicted (a 64 MiB pass, as the previous iteration's host work does) or not.
 
+``scheduler.young_collections_ms``: what ten young garbage collections cost while the
+scheduler holds one cold 8,152-token prompt's state (``held``: ``none``, no request;
+``planned``, after its first metadata; ``packed``, after ``after_forward``, as once its
+forward pass is queued); the collections are driven by allocating containers, as an engine
+iteration does. A prompt's tokens in a list cost every collection that finds it young a pass.
+
 ``scheduler.decode_step_us``: ``build_connector_meta`` in steady decode, every request of a
 batch (``batch`` 1, 64, 256; 1K-token prompts, saved) reported with one new token a step, as
 TensorRT-LLM reports running requests; median over 200 steps, and ``per_request_us``.
@@ -308,6 +314,54 @@ def bench_cold_first_iteration(samples: int, evict: bool, rng: np.random.Generat
          cache="evicted" if evict else "warm", **medians)  # fmt: skip
 
 
+def bench_young_collections(samples: int, rng: np.random.Generator) -> None:
+    """Ten young collections with a cold prompt's scheduler state held (see above)."""
+    from s3kv.connector.api import RequestData
+    from s3kv.testing.emulator.request import LlmRequest
+
+    n_tokens, tpb = 8152, 32
+    case = Case(n_tokens, tpb, "none", rng)
+    spent: list[float] = []
+
+    def timer(phase: str, info: dict[str, Any]) -> None:
+        spent.append(time.perf_counter() if phase == "start" else -time.perf_counter())
+
+    results: dict[str, list[float]] = defaultdict(list)
+    gc.callbacks.append(timer)
+    try:
+        for i in range(samples):
+            for held in ("none", "planned", "packed"):
+                request = LlmRequest(i, [int(t) for t in rng.integers(0, 128_000, n_tokens)], 16)
+                core, store = case.fresh()
+                try:
+                    gc.collect()  # NOTE: before, not after: the state below must be young
+                    spent.clear()
+                    if held != "none":
+                        core.get_num_new_matched_tokens(request_view(request), 0)
+                        blocks = list(range(n_tokens // tpb + 1))
+                        core.update_state_after_alloc(i, blocks)
+                        report = RequestData(i, request.get_tokens(0), blocks, 0, n_tokens)
+                        meta = core.build_connector_meta([report], [])
+                        del report
+                        if held == "packed":
+                            core.after_forward()
+                    del request
+                    churn = [[k] for k in range(7_000)]  # NOTE: ten young collections' worth
+                    results[held].append(-sum(spent) * 1e3)
+                    del churn
+                    if held != "none":
+                        core.request_finished(i)
+                        del meta
+                    store.start_held_walks()
+                finally:
+                    store.close()
+    finally:
+        gc.callbacks.remove(timer)
+    for held, values in results.items():
+        emit("scheduler.young_collections_ms", round(statistics.median(values), 3), "ms",
+             held=held, tokens=n_tokens, samples=samples)  # fmt: skip
+
+
 def bench_decode_steps(batch: int, steps: int, rng: np.random.Generator) -> None:
     """Steady decode: ``batch`` requests whose prompts were planned, one token a step."""
     from s3kv.connector.api import RequestData
@@ -356,6 +410,7 @@ def main() -> int:
     bench_request_view(131072, samples)
     for evict in (False, True):
         bench_cold_first_iteration(20 if args.quick else 200, evict, rng)
+    bench_young_collections(5 if args.quick else 30, rng)
     for batch in (1, 64, 256):
         bench_decode_steps(batch, 50 if args.quick else 200, rng)
     return 0
