@@ -1,10 +1,11 @@
-"""The metadata the scheduler sends to every worker each iteration (pickled, broadcast).
+"""The metadata the scheduler sends to every worker each iteration (broadcast: pickled under
+tensor parallelism; with one rank TensorRT-LLM hands over the object itself).
 
 Small by construction: only this iteration's new work, as tuples of ints and 16-byte keys.
 Saves travel column by column (:class:`SaveOps`): an 8K-token prompt's 254 saves as
 per-block objects cost the engine's thread 0.3 ms to build and 0.8 ms to pickle and unpickle
-before its forward pass (TensorRT-LLM broadcasts the metadata, and the emulated runtime
-always pickles it); as columns, tens of microseconds.
+before its forward pass (TensorRT-LLM pickles the metadata under TP, and the emulator's tests
+do with one rank too); as columns, tens of microseconds.
 """
 
 from __future__ import annotations
