@@ -336,17 +336,18 @@ class KeyRun:
         tokens_per_block: Tokens per block.
     """
 
-    __slots__ = ("_source", "_tokens", "blocks", "parent", "tokens_per_block")
+    __slots__ = ("_nbytes", "_source", "_tokens", "blocks", "parent", "tokens_per_block")
 
     parent: bytes
     tokens_per_block: int
     #: Blocks in the run.
     blocks: int
+    _nbytes: int
     _tokens: bytes | None  # None until the deferred source is converted
     _source: tuple[Sequence[int] | _ChainTokens, int, int] | None  # (tokens, start, stop)
 
     def __init__(self, parent: bytes, tokens: bytes, tokens_per_block: int) -> None:
-        self._init(parent, tokens_per_block, len(tokens) // 4, bytes(tokens), None)
+        self._init(parent, tokens_per_block, len(tokens), bytes(tokens), None)
 
     @classmethod
     def deferred(
@@ -363,14 +364,14 @@ class KeyRun:
         afterwards (:meth:`KeyChain.run_of` reads a chain's tokens through the chain).
         """
         run = cls.__new__(cls)
-        run._init(parent, tokens_per_block, max(0, stop - start), None, (source, start, stop))
+        run._init(parent, tokens_per_block, 4 * max(0, stop - start), None, (source, start, stop))
         return run
 
     def _init(
         self,
         parent: bytes,
         tokens_per_block: int,
-        n_tokens: int,
+        nbytes: int,
         tokens: bytes | None,
         source: tuple[Sequence[int] | _ChainTokens, int, int] | None,
     ) -> None:
@@ -379,44 +380,65 @@ class KeyRun:
         setter(self, "parent", bytes(parent))
         setter(self, "tokens_per_block", tokens_per_block)
         # NOTE: a partial block counts as none; SaveOps refuses runs that are not whole
-        setter(self, "blocks", n_tokens // tokens_per_block)
+        setter(self, "blocks", nbytes // 4 // tokens_per_block)
+        setter(self, "_nbytes", nbytes)
         setter(self, "_tokens", tokens)
         setter(self, "_source", source)
 
     @property
     def nbytes(self) -> int:
         """Bytes of :attr:`tokens` (known without converting a deferred source)."""
-        if self._source is not None:
-            _, start, stop = self._source
-            return 4 * (stop - start)
-        assert self._tokens is not None
-        return len(self._tokens)
+        return self._nbytes
 
     @property
     def tokens(self) -> bytes:
         """The run's tokens, uint32 little-endian (a deferred source converted now, once).
 
         Raises:
-            KeyDerivationError: a deferred source holds a token outside 0..2**32-1.
+            KeyDerivationError: a deferred source holds a token outside 0..2**32-1, or the
+                chain it reads let go of them (:attr:`released`; :meth:`keys` still answers).
         """
-        tokens = self._tokens
-        if tokens is None:
-            assert self._source is not None
-            source, start, stop = self._source
-            tokens = _token_bytes(source[start:stop])
-            # NOTE: two threads may both convert; each writes the same bytes
-            object.__setattr__(self, "_tokens", tokens)
-            object.__setattr__(self, "_source", None)
-        return tokens
+        read = self._read()
+        if isinstance(read, bytes):
+            return read
+        raise KeyDerivationError(
+            "a run's tokens were released once the chain hashed its blocks: read its keys"
+        )
 
     def keys(self) -> list[BlockHash]:
-        """The run's keys (what :class:`KeyChain` gives for the same blocks)."""
-        source = self._source
-        if source is not None and isinstance(source[0], _ChainTokens):
-            hashed = source[0].keys_if_released(source[1], source[2])
-            if hashed is not None:  # NOTE: the chain hashed these blocks and let go of them
-                return hashed
-        return chain_from(self.parent, self.tokens, self.tokens_per_block)
+        """The run's keys (what :class:`KeyChain` gives for the same blocks).
+
+        Raises:
+            KeyDerivationError: a deferred source holds a token outside 0..2**32-1.
+        """
+        read = self._read()
+        if isinstance(read, bytes):
+            return chain_from(self.parent, read, self.tokens_per_block)
+        return read  # NOTE: the chain hashed these blocks and let go of their tokens
+
+    def _read(self) -> bytes | list[BlockHash]:
+        """The tokens (converted once), or the keys where the chain released the tokens.
+
+        NOTE: threads may race here: each reads the slots once, converts from a source it
+        saw and stores the same bytes; the source goes only after the bytes are stored.
+        """
+        tokens, source = self._tokens, self._source
+        if tokens is not None:
+            return tokens
+        if source is None:  # NOTE: another thread converted it between the two reads
+            assert self._tokens is not None
+            return self._tokens
+        origin, start, stop = source
+        if isinstance(origin, _ChainTokens):
+            held = origin.read(start, stop)
+            if not isinstance(held, _TokensHeld):
+                return held
+            tokens = _token_bytes(held.tokens)
+        else:
+            tokens = _token_bytes(origin[start:stop])
+        object.__setattr__(self, "_tokens", tokens)
+        object.__setattr__(self, "_source", None)
+        return tokens
 
     @property
     def released(self) -> bool:
@@ -548,7 +570,8 @@ class KeyChain(Sequence[BlockHash]):
     @property
     def nbytes(self) -> int:
         """Approximate memory held: the keys plus references to tokens not hashed yet."""
-        return len(self._keys) * KEY_OVERHEAD + 8 * (self._total - self._base)
+        per_token = 4 if isinstance(self._tokens, array.array) else 8
+        return len(self._keys) * KEY_OVERHEAD + per_token * (self._total - self._base)
 
     def __len__(self) -> int:
         return self._total // self._tpb
@@ -647,14 +670,16 @@ class KeyChain(Sequence[BlockHash]):
             if packed is not None:
                 self._tokens, self._owned = packed, True
 
-    def tokens_of(self, start: int, stop: int) -> Sequence[int] | None:
-        """Tokens ``start .. stop - 1`` as held now, or ``None`` where the chain let go of
-        them (their blocks are all hashed: every full block was)."""
+    def read_run(self, start: int, stop: int) -> _TokensHeld | list[BlockHash]:
+        """Tokens ``start .. stop - 1`` (whole blocks) as held now, or, where the chain let go
+        of them (every full block hashed), their blocks' keys; in one step under the lock,
+        so that no other thread's hashing comes between the two."""
         with self._lock:
             base = self._base
-            if start < base:
-                return None
-            return self._tokens[start - base : stop - base]
+            if start >= base:
+                return _TokensHeld(self._tokens[start - base : stop - base])
+            tpb = self._tpb
+            return self._keys[start // tpb : stop // tpb]
 
     def _hash(self, have: int, upto: int) -> None:
         """Caller holds the lock."""
@@ -669,6 +694,13 @@ class KeyChain(Sequence[BlockHash]):
             self._owned, self._base = True, upto * tpb
 
 
+@dataclass(frozen=True)
+class _TokensHeld:
+    """Tokens a chain still holds (what :meth:`KeyChain.read_run` gives when it can)."""
+
+    tokens: Sequence[int]
+
+
 class _ChainTokens:
     """A :class:`KeyChain`'s tokens as a deferred :class:`KeyRun` reads them: from whatever
     the chain holds when the run is read, by absolute position."""
@@ -679,25 +711,22 @@ class _ChainTokens:
         self.chain = chain
 
     def __getitem__(self, index: slice) -> Sequence[int]:
-        tokens = self.chain.tokens_of(index.start, index.stop)
-        if tokens is None:
+        held = self.chain.read_run(index.start, index.stop)
+        if not isinstance(held, _TokensHeld):
             raise KeyDerivationError(
                 "a run's tokens were released once the chain hashed its blocks: read its keys"
             )
-        return tokens
+        return held.tokens
 
-    def keys_if_released(self, start: int, stop: int) -> list[BlockHash] | None:
-        """The keys of tokens ``start .. stop - 1`` (whole blocks) if the chain hashed them
-        and let go of the tokens, else ``None``."""
-        chain = self.chain
-        if start >= chain.first_held_token:
-            return None
-        tpb = chain.tokens_per_block
-        return chain.keys(start // tpb, stop // tpb)
+    def read(self, start: int, stop: int) -> _TokensHeld | list[BlockHash]:
+        """:meth:`KeyChain.read_run`."""
+        return self.chain.read_run(start, stop)
 
 
 def _packed(tokens: Sequence[int]) -> array.array[int] | None:
     """``tokens`` as an ``array("I")`` (4-byte items), or ``None`` where they do not fit."""
+    if isinstance(tokens, array.array) and tokens.typecode == "I" and tokens.itemsize == 4:
+        return array.array("I", tokens)
     if not isinstance(tokens, list | tuple):
         return None
     try:

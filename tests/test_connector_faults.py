@@ -99,3 +99,24 @@ def test_a_failing_entry_point_keeps_outputs_and_bookkeeping(
     manager = reader.connector_manager
     assert manager is not None
     assert not manager.has_pending_transfers()
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["plain", "overlap"])
+def test_a_rank_0_worker_that_cannot_start_turns_the_scheduler_off(
+    file_bucket: Path, monkeypatch: pytest.MonkeyPatch, overlap: bool
+) -> None:
+    # Rank 0 builds its worker after the scheduler opened the stores: if that fails, a
+    # scheduler left on would claim tokens that no worker loads (wrong outputs).
+    from s3kv.connector import trtllm
+
+    prompts = [SYSTEM + prompt(5, seed=s) for s in (52, 53)]
+    with one_torch_thread():
+        expected = serve(engine(connector=False, overlap=overlap), prompts)
+        serve(engine(connector=True, overlap=overlap), [SYSTEM + prompt(3, seed=55)])
+        process_state().close_all()
+        monkeypatch.setattr(trtllm, "WorkerCore", raises)
+        reader = engine(connector=True, overlap=overlap)
+        results = reader.generate(prompts, 4)
+        reader.drain()
+    assert [r.output_tokens for r in results] == expected
+    assert [r.connector_tokens for r in results] == [0, 0], "nothing claimed"

@@ -403,3 +403,25 @@ def test_keys_that_cannot_be_hashed_lose_their_saves_never_the_request_or_buffer
     assert engine.queued == []
     assert store.metrics.value("connector_save_errors") == 8
     assert len(core._buffers._free) == 8  # NOTE: every buffer back in the pool
+
+
+def test_keys_that_cannot_be_hashed_when_buffers_run_short_give_the_buffers_back(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Short of buffers, wait_for_save takes a part of the saves, which hashes the keys that
+    # travelled unhashed; a run whose tokens cannot be read must not keep the buffers taken.
+    from s3kv.keys import KeyRun
+
+    core, engine, store, _ = worker()
+    core._buffers.capacity = 4  # NOTE: four buffers for eight saves
+    monkeypatch.setattr(KeyRun, "keys", lambda self: 1 / 0)
+    tokens = bytes(4 * 4 * 6)
+    ops = SaveOps(
+        [7] * 8, list(range(8)), bytes(32), bytes(32), [(2, KeyRun(bytes(16), tokens, 4))]
+    )
+    core.save_after_forward(ConnectorMetadata(saves=ops), stream=None)
+    assert store.metrics.value("connector_save_errors") == 8
+    assert len(core._buffers._free) == 4, "every buffer taken went back"
+    assert core.finished([7]) == [7], "nothing of it in flight: reported at once"
+    assert engine.queued == []
+    core.close()

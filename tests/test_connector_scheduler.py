@@ -14,7 +14,7 @@ from s3kv.config import S3KVConfig
 from s3kv.connector.api import RequestData
 from s3kv.connector.completion import CompletionBoard
 from s3kv.connector.metadata import ConnectorMetadata
-from s3kv.connector.requests import honoured_tokens
+from s3kv.connector.requests import RequestView, honoured_tokens
 from s3kv.connector.requests import request_view as view
 from s3kv.connector.scheduler import SchedulerCore
 from s3kv.connector.shared import ShardStores
@@ -807,3 +807,64 @@ def test_after_the_forward_pass_no_prompt_is_held_in_a_list_the_collector_scans(
     assert tracked_sequences(core, len(prompt) // 2) == []
     assert tracked_sequences(meta, len(prompt) // 2) == []
     assert [op.key for op in meta.saves] == chain_hashes(prompt, TPB)[:100]
+
+
+BAD_TAIL = [*range(1000, 1000 + 20 * TPB), -5, *range(1, 4 * TPB + 1)]  # bad past the lookup
+
+
+def test_under_tp_a_bad_token_costs_its_requests_saves_not_the_broadcast() -> None:
+    # The broadcast pickles the metadata on rank 0's engine thread, outside every guard: a
+    # run whose tokens cannot be read must fail where its saves are planned, not there.
+    backend = MemoryBackend()
+    core = core_for(make_store(backend, 0, 2), make_store(backend, 1, 2))
+    good = list(range(5000, 5000 + 20 * TPB + 1))
+    for rid, tokens in ((1, BAD_TAIL), (2, good)):
+        core.get_num_new_matched_tokens(view(FakeRequest(rid, tokens)), 0)
+        core.update_state_after_alloc(rid, list(range(100 * rid, 100 * rid + 30)))
+    meta = core.build_connector_meta(
+        [
+            first_report(1, BAD_TAIL, list(range(100, 130)), 0, len(BAD_TAIL)),
+            first_report(2, good, list(range(200, 230)), 0, len(good)),
+        ],
+        [],
+    )
+    wire = pickle.loads(pickle.dumps(meta))  # NOTE: what mpi_broadcast does
+    assert set(wire.saves.request_ids) == {2}
+    assert [op.key for op in wire.saves] == chain_hashes(good, TPB)[:20]
+    assert core.shards is not None
+    assert core.shards.metrics.value("connector_save_planning_errors") == 1
+
+
+def test_with_one_rank_saves_whose_keys_cannot_be_derived_still_pickle() -> None:
+    core = core_for(make_store(MemoryBackend()))
+    core.get_num_new_matched_tokens(view(FakeRequest(1, BAD_TAIL)), 0)
+    core.update_state_after_alloc(1, list(range(30)))
+    meta = core.build_connector_meta([first_report(1, BAD_TAIL, list(range(30)), 0, 99)], [])
+    assert len(meta.saves) == 24, "planned: the bad token is read only when hashed"
+    assert pickle.loads(pickle.dumps(meta.saves)) == (), "not sent rather than raised"
+
+
+def test_a_finished_request_leaves_no_prompt_behind_before_any_forward_pass() -> None:
+    core = core_for(make_store(MemoryBackend()))
+    prompt = list(range(1000, 1000 + 100 * TPB + 1))
+    for rid in range(3):
+        core.get_num_new_matched_tokens(view(FakeRequest(rid, prompt)), 0)
+    core.request_finished(0)
+    core.abandon(1)
+    assert core.shards is not None
+    core.shards.start_walks()  # NOTE: the claims' held walks hold their chains until then
+    assert tracked_sequences(core, len(prompt) // 2) == [len(prompt)], "request 2's alone"
+
+
+def test_decode_keys_stop_where_the_chain_cannot_grow_and_the_prompt_is_still_saved() -> None:
+    core = core_for(make_store(MemoryBackend()), save_decode_blocks=True)
+    extra = list(range(len(PROMPT)))
+    request = RequestView(1, PROMPT, {"extra_ids": extra})  # NOTE: per-token extra ids
+    core.get_num_new_matched_tokens(request, 0)
+    core.update_state_after_alloc(1, [0, 1, 2, 3, 4])
+    first = core.build_connector_meta([first_report(1, PROMPT, [0, 1, 2, 3, 4], 0, 17)], [])
+    assert [op.block_id for op in first.saves] == [0, 1, 2, 3]
+    decode = core.build_connector_meta([], [RequestData(1, [7, 8, 9], [], 19, 1)])
+    assert decode.saves == ()
+    assert core.shards is not None
+    assert core.shards.metrics.value("connector_save_planning_errors") == 0

@@ -14,6 +14,7 @@ from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import overload
 
+from s3kv.errors import KeyDerivationError
 from s3kv.keys import HASH_BYTES, KeyRun
 
 
@@ -58,7 +59,8 @@ class SaveOps(Sequence[SaveOp]):
     diagnostics).
 
     Keys may travel unhashed: ``derived`` places :class:`~s3kv.keys.KeyRun` s (a parent key
-    and the tokens of consecutive blocks) among the blocks, and their keys are hashed on the
+    and the tokens of consecutive blocks, or where to read them in the request's key chain)
+    among the blocks, and their keys are hashed on the
     first read of :attr:`keys` or :attr:`parents` (or a slice), by whoever reads them: the
     workers, when they hand the copies to the store, after the engine has read the pass's
     tokens. Hashing an 8K-token prompt's 254 keys cost the scheduler 0.35-0.5 ms before the
@@ -215,11 +217,20 @@ class SaveOps(Sequence[SaveOp]):
         return hash(tuple(self))
 
     def __reduce__(self) -> tuple[type[SaveOps], tuple[object, ...]]:
-        # NOTE: runs travel unhashed: the receiver hashes them when it reads the keys; a run
-        # whose chain let go of its tokens (hashed them) cannot, so its keys travel then.
+        # NOTE: runs travel unhashed, as bytes: the receiver hashes them when it reads the
+        # keys. This runs inside TensorRT-LLM's broadcast, where nothing may raise: a run
+        # whose chain let go of its tokens sends its keys instead, and saves whose keys
+        # cannot be derived at all (a token out of range) are not sent (their requests'
+        # workers then report them done at once).
         columns = self._columns
-        if any(run.released for _, run in columns[2]):
-            columns = self._hashed()
+        try:
+            for _, run in columns[2]:
+                run.tokens  # noqa: B018  # NOTE: converts now (or raises): see above
+        except KeyDerivationError:
+            try:
+                columns = self._hashed()
+            except KeyDerivationError:
+                return (SaveOps, ())
         return (SaveOps, (self.request_ids, self.block_ids, *columns))
 
     def __repr__(self) -> str:

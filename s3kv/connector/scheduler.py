@@ -46,6 +46,7 @@ from s3kv.connector.completion import CompletionBoard
 from s3kv.connector.metadata import EMPTY, NO_SAVES, ConnectorMetadata, LoadOp, SaveOps
 from s3kv.connector.requests import RequestView, StepReport
 from s3kv.connector.shared import ShardStores
+from s3kv.errors import KeyDerivationError
 from s3kv.keys import ROOT_HASH, BlockHash, KeyChain, KeyRun
 
 logger = logging.getLogger(__name__)
@@ -66,7 +67,8 @@ class _Request:
     key_inputs: dict[str, Any] | None  # None: the key inputs are not all visible; no caching
     keys: KeyChain  # the prompt's, then (saves) the request's tokens' keys, hashed on demand
     sample: tuple[int, ...] = ()  # a few prompt tokens: a re-asked request is the same one
-    num_tokens: int = 0  # the request's tokens reported so far (the keys' chain holds them)
+    num_tokens: int = 0  # the request's tokens reported so far (not kept: see _grow_chain)
+    decode_keys: bool = True  # decode tokens still go to the chain (saves of decode blocks)
     block_ids: list[int] = field(default_factory=list)
     claim_start: int = 0  # first claimed block index
     claimed: list[BlockHash] = field(default_factory=list)
@@ -149,9 +151,11 @@ class SchedulerCore:
             keys = KeyChain(request.prompt, tpb, **args)
         state = _Request(rid, prompt_len, args, keys, sample, last_seen=self._step)
         self._requests[rid] = state
-        self._unpacked[rid] = keys
         shards = self.shards
-        if shards is None or not shards.healthy:
+        if shards is None:
+            return 0
+        self._unpacked[rid] = keys  # NOTE: packed once the forward pass is queued
+        if not shards.healthy:
             return 0
         if num_computed_tokens % tpb:
             return 0  # the device match ends inside a block: whole blocks only
@@ -260,6 +264,11 @@ class SchedulerCore:
         this request's saves."""
         try:
             blocks, keys, parents, derived = self._plan_request_saves(state, data, first=first)
+            if self.shards is not None and len(self.shards.stores) > 1:
+                # NOTE: under TP the broadcast pickles the runs before the pass anyway:
+                # converted here, a bad token costs this request's saves, not the broadcast
+                for _, run in derived:
+                    run.tokens  # noqa: B018
         except Exception:  # NOTE: isolated: only this request's saves are lost
             logger.exception("s3kv: save planning failed for request %d", state.request_id)
             state.key_inputs = None  # stop planning saves for it
@@ -302,7 +311,7 @@ class SchedulerCore:
         # The keys' chain holds the prompt; decode tokens go to it only if they are saved.
         if first:
             valid = data.computed_position + state.connector_tokens + data.num_scheduled_tokens
-            self._grow_chain(state, data.new_tokens[state.keys.num_tokens :])
+            self._grow_chain(state, data.new_tokens)
             return self._plan_saves(state, valid)
         state.num_tokens += len(data.new_tokens)
         self._grow_chain(state, data.new_tokens)
@@ -310,10 +319,26 @@ class SchedulerCore:
         return self._plan_saves(state, data.computed_position + data.num_scheduled_tokens)
 
     def _grow_chain(self, state: _Request, tokens: Sequence[int]) -> None:
-        """Append tokens past the prompt to the request's chain where decode blocks are saved
-        (their keys go on from the prompt's); otherwise no block past the prompt is keyed."""
-        if tokens and self.config.save_decode_blocks and state.key_inputs is not None:
-            state.keys.extend(tokens)
+        """Give the chain the tokens of this report it lacks (``tokens`` end at
+        ``state.num_tokens``), where decode blocks are saved: their keys go on from the
+        prompt's. Otherwise, or once the chain cannot follow (it cannot grow, or the tokens
+        reported do not line up with it), no block past its end is keyed or saved; the
+        prompt's blocks still are."""
+        count = len(tokens)
+        if not count or not self.config.save_decode_blocks or not state.decode_keys:
+            return
+        if state.key_inputs is None:
+            return
+        chain = state.keys
+        skip = chain.num_tokens - (state.num_tokens - count)  # NOTE: tokens it already has
+        if skip < 0:
+            state.decode_keys = False  # NOTE: a gap: later keys could not be derived
+            return
+        if skip < count:
+            try:
+                chain.extend(tokens[skip:])
+            except KeyDerivationError:  # NOTE: per-token extra ids: the chain cannot grow
+                state.decode_keys = False
 
     def _plan_loads(self, state: _Request) -> None:
         if state.loads_planned or not state.claimed:
@@ -390,14 +415,14 @@ class SchedulerCore:
         for the device anyway (``_forward_step``, then ``_sample_async`` and
         ``_update_requests``, ``py_executor.py`` @ 000439672005).
         """
-        if self.shards is not None:
-            self.shards.start_walks()
         chains, self._unpacked = self._unpacked, {}
-        for chain in chains.values():
+        for chain in chains.values():  # NOTE: first: a walk may hold a chain's lock a while
             try:
                 chain.compact()
             except Exception:  # NOTE: unpacked tokens cost collections, never correctness
                 logger.exception("s3kv: packing a prompt's tokens failed")
+        if self.shards is not None:
+            self.shards.start_walks()
 
     # --- pins ---
 
@@ -436,6 +461,7 @@ class SchedulerCore:
         stale = [rid for rid, s in self._requests.items() if s.last_seen < horizon]
         for rid in stale:
             self._release_unplanned(self._requests.pop(rid))
+            self._unpacked.pop(rid, None)
         if stale:
             self._metric("connector_forgotten_requests", len(stale))
         self._oldest_seen = min((s.last_seen for s in self._requests.values()), default=self._step)
@@ -449,12 +475,14 @@ class SchedulerCore:
     def abandon(self, request_id: int) -> None:
         """Forget a request whose claim failed half-way: its pins go, nothing is loaded."""
         state = self._requests.pop(request_id, None)
+        self._unpacked.pop(request_id, None)
         if state is not None:
             self._release_unplanned(state)
 
     def request_finished(self, request_id: int) -> bool:
         """True if the request had saves planned (the workers report when copies are done)."""
         state = self._requests.pop(request_id, None)
+        self._unpacked.pop(request_id, None)
         if state is None:
             return False
         self._release_unplanned(state)  # claimed but never scheduled: release now

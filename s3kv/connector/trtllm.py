@@ -381,16 +381,22 @@ class S3KVConnectorWorker(WorkerBase):  # type: ignore[misc]
             if scheduler is None or scheduler.core is None or shards_on is None:
                 return  # rank 0's scheduler is off: nothing will be planned for any rank
             assert self.config is not None  # an identity implies a configuration
-            core = WorkerCore(
-                0,
-                shards_on.stores[0],
-                self._kv,
-                self.config.max_inflight_save_bytes,
-                block_shape=self._block_shape(self._kv, self.config.codec),
-            )
-            core.board = scheduler.core.board
-            self._after_forward = scheduler.core.after_forward
-            scheduler.await_warm_start()
+            try:
+                core = WorkerCore(
+                    0,
+                    shards_on.stores[0],
+                    self._kv,
+                    self.config.max_inflight_save_bytes,
+                    block_shape=self._block_shape(self._kv, self.config.codec),
+                )
+                core.board = scheduler.core.board
+                self._after_forward = scheduler.core.after_forward
+                scheduler.await_warm_start()
+            except Exception as exc:
+                # NOTE: a scheduler that claims with no worker on rank 0 to load the claims
+                # would have the engine skip computing tokens nobody loads: it turns off
+                scheduler.turn_off(f"starting rank 0's worker failed: {exc}")
+                raise
         self.core = core
 
     @_guarded(lambda *a, **k: None)

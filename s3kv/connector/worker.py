@@ -580,7 +580,14 @@ class WorkerCore:
             # they are encoded (the saves of this pass that found none are dropped).
             self._issue(everything=True)
             self._drain(block=False)
-        ops = metadata.saves[: len(buffers)]
+        try:  # NOTE: a part of the saves hashes the keys that travelled unhashed (KeyRun)
+            ops = metadata.saves[: len(buffers)]
+        except Exception:
+            logger.exception("s3kv: hashing the keys of a pass's saves failed")
+            self.store.metrics.inc("connector_save_errors", len(metadata.saves))
+            for buffer in buffers:
+                self._buffers.release(buffer)
+            return
         if len(ops) < len(metadata.saves):
             self.store.metrics.inc("connector_save_buffers_full", len(metadata.saves) - len(ops))
         if not ops:

@@ -7,7 +7,7 @@ same core) for the tensor-parallel path (no attention DP, one layer group, V1 or
 * The scheduler exists on rank 0 only; scheduler calls whose result every rank needs run
   there and are broadcast (``_run_on_leader``). By default the result is pickled and
   unpickled, on rank 0 too and with one rank, so unpicklable metadata fails here as it would
-  under TP; ``copy_one_rank=False`` hands one rank the object itself, as TensorRT-LLM does
+  under TP; ``copy_leader_results=False`` hands one rank the object itself, as TensorRT-LLM does
   (``mpi_broadcast`` is ``bcast(...) if global_mpi_size() > 1 else obj``,
   ``tensorrt_llm/_utils.py`` @``ed53795b``), for benchmarks that time the engine's path.
 * ``get_num_new_matched_tokens`` (V1) rejects generation-only requests and ``(0, True)``,
@@ -181,7 +181,7 @@ class KvCacheConnectorManager:
         *,
         collectives: Collectives | None = None,
         stream: Callable[[], Any] = lambda: None,
-        copy_one_rank: bool = True,
+        copy_leader_results: bool = True,
     ) -> None:
         """Create the manager.
 
@@ -191,7 +191,7 @@ class KvCacheConnectorManager:
             collectives: Rank and collectives; default :func:`s3kv.connector.comm.get_collectives`.
             stream: Returns the stream handed to the layer hooks (TensorRT-LLM passes
                 ``torch.cuda.current_stream()``; ``None`` on the CPU).
-            copy_one_rank: With one rank, still hand over a pickled copy of the leader's
+            copy_leader_results: With one rank, still hand over a pickled copy of the leader's
                 results (checks that they survive the trip); ``False``: the objects
                 themselves, as TensorRT-LLM does.
 
@@ -204,7 +204,7 @@ class KvCacheConnectorManager:
         self.worker = worker
         self.scheduler = scheduler
         self._stream = stream
-        self._copy = copy_one_rank or self.collectives.world_size > 1
+        self._copy = copy_leader_results or self.collectives.world_size > 1
         self.new_async_requests = AsyncRequests()  # not yet passed to get_finished
         self.pending_async_requests = AsyncRequests()  # passed, not yet returned locally
         self.local_finished_async_requests = AsyncRequests()  # returned here, not everywhere

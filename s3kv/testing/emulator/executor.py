@@ -197,7 +197,7 @@ class PyExecutorEmulator:
                 scheduler,
                 collectives=self.collectives,
                 stream=self.current_stream,
-                copy_one_rank=copy_leader_results,
+                copy_leader_results=copy_leader_results,
             )
         _check_executor_envelope(llm_args, runtime, connector=classes is not None)
         self.pool = self.model.new_pool(num_blocks)
