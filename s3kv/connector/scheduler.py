@@ -11,9 +11,12 @@ Contracts (DESIGN.md invariants 1-3):
   the staged run): a request's keys are a :class:`~s3kv.keys.KeyChain` hashed on demand and
   kept until ``request_finished`` (the engine asks again for a request it did not schedule;
   the save path reuses those hashed and sends the rest unhashed, as
-  :class:`~s3kv.keys.KeyRun` s the workers hash), and the tail goes to the I/O side in one
-  step, which hashes
-  and filters it there (:meth:`KVStore.prefetch_many <s3kv.store.KVStore.prefetch_many>`).
+  :class:`~s3kv.keys.KeyRun` s the workers hash, reading the tokens through the chain), and
+  the tail goes to the I/O side in one step, which hashes and filters it there
+  (:meth:`KVStore.prefetch_many <s3kv.store.KVStore.prefetch_many>`).
+* It keeps no token list of its own: once the forward pass is queued
+  (:meth:`SchedulerCore.after_forward`) each new prompt's tokens are packed into an array the
+  garbage collector does not scan, and reports' token lists are never kept.
 * Metadata carries only new work: loads for this iteration's claims and saves for blocks
   that become full in this iteration's forward pass (prompt blocks always, decode blocks if
   ``save_decode_blocks``), skipping the leading run of blocks the bucket already has (in a
