@@ -272,17 +272,33 @@ def bench_request_view(n_tokens: int, samples: int) -> None:
          note="adapter: RequestView from the binding (get_tokens copy included)")  # fmt: skip
 
 
-def bench_cold_first_iteration(samples: int, evict: bool, rng: np.random.Generator) -> None:
-    """A cold prompt's claim and first metadata, through the adapter's path (see above)."""
-    from s3kv.connector.api import RequestData
+#: A cold prompt's tokens (SmolLM2's 8K case in gpu_ab.py) and tokens per block.
+COLD_TOKENS, COLD_TPB = 8152, 32
+
+
+def cold_request(request_id: int, rng: np.random.Generator) -> Any:
+    """An emulated request binding with a fresh random prompt of :data:`COLD_TOKENS`."""
     from s3kv.testing.emulator.request import LlmRequest
 
-    n_tokens, tpb = 8152, 32
-    case = Case(n_tokens, tpb, "none", rng)
+    tokens = [int(t) for t in rng.integers(0, 128_000, size=COLD_TOKENS)]
+    return LlmRequest(request_id, tokens, 16)
+
+
+def first_report(request: Any) -> tuple[list[int], Any]:
+    """The request's blocks and its first report, as the engine builds it."""
+    from s3kv.connector.api import RequestData
+
+    blocks = list(range(COLD_TOKENS // COLD_TPB + 1))
+    return blocks, RequestData(request.request_id, request.get_tokens(0), blocks, 0, COLD_TOKENS)
+
+
+def bench_cold_first_iteration(samples: int, evict: bool, rng: np.random.Generator) -> None:
+    """A cold prompt's claim and first metadata, through the adapter's path (see above)."""
+    case = Case(COLD_TOKENS, COLD_TPB, "none", rng)
     sweep = np.ones(64 << 20, dtype=np.uint8) if evict else None
     parts: dict[str, list[float]] = defaultdict(list)
     for i in range(samples):
-        request = LlmRequest(i, [int(t) for t in rng.integers(0, 128_000, size=n_tokens)], 16)
+        request = cold_request(i, rng)
         core, store = case.fresh()
         try:
             gc.collect()
@@ -293,34 +309,29 @@ def bench_cold_first_iteration(samples: int, evict: bool, rng: np.random.Generat
             t1 = time.perf_counter()
             core.get_num_new_matched_tokens(view, 0)
             t2 = time.perf_counter()
-            blocks = list(range(n_tokens // tpb + 1))
-            core.update_state_after_alloc(i, blocks)
+            blocks, report = first_report(request)  # NOTE: the engine's, not timed
             t3 = time.perf_counter()
-            report = RequestData(i, request.get_tokens(0), blocks, 0, n_tokens)  # the engine's
+            core.update_state_after_alloc(i, blocks)
             t4 = time.perf_counter()
             meta = core.build_connector_meta([report], [])
             t5 = time.perf_counter()
-            assert len(meta.saves) == n_tokens // tpb, len(meta.saves)
+            assert len(meta.saves) == COLD_TOKENS // COLD_TPB, len(meta.saves)
             for name, seconds in (("view_us", t1 - t0), ("claim_us", t2 - t1),
-                                  ("alloc_us", t3 - t2), ("meta_us", t5 - t4)):  # fmt: skip
+                                  ("alloc_us", t4 - t3), ("meta_us", t5 - t4)):  # fmt: skip
                 parts[name].append(seconds * 1e6)
-            parts["total"].append((t3 - t0 + t5 - t4) * 1e6)
+            parts["total"].append((t2 - t0 + t5 - t3) * 1e6)
             store.start_held_walks()
         finally:
             store.close()
     medians = {name: round(statistics.median(values), 1) for name, values in parts.items()}
     emit("scheduler.cold_prompt_first_iteration_us", medians.pop("total"), "us",
-         tokens=n_tokens, tokens_per_block=tpb, samples=samples,
+         tokens=COLD_TOKENS, tokens_per_block=COLD_TPB, samples=samples,
          cache="evicted" if evict else "warm", **medians)  # fmt: skip
 
 
 def bench_young_collections(samples: int, rng: np.random.Generator) -> None:
     """Ten young collections with a cold prompt's scheduler state held (see above)."""
-    from s3kv.connector.api import RequestData
-    from s3kv.testing.emulator.request import LlmRequest
-
-    n_tokens, tpb = 8152, 32
-    case = Case(n_tokens, tpb, "none", rng)
+    case = Case(COLD_TOKENS, COLD_TPB, "none", rng)
     spent: list[float] = []
 
     def timer(phase: str, info: dict[str, Any]) -> None:
@@ -331,16 +342,15 @@ def bench_young_collections(samples: int, rng: np.random.Generator) -> None:
     try:
         for i in range(samples):
             for held in ("none", "planned", "packed"):
-                request = LlmRequest(i, [int(t) for t in rng.integers(0, 128_000, n_tokens)], 16)
+                request = cold_request(i, rng)
                 core, store = case.fresh()
                 try:
                     gc.collect()  # NOTE: before, not after: the state below must be young
                     spent.clear()
                     if held != "none":
                         core.get_num_new_matched_tokens(request_view(request), 0)
-                        blocks = list(range(n_tokens // tpb + 1))
+                        blocks, report = first_report(request)
                         core.update_state_after_alloc(i, blocks)
-                        report = RequestData(i, request.get_tokens(0), blocks, 0, n_tokens)
                         meta = core.build_connector_meta([report], [])
                         del report
                         if held == "packed":
@@ -359,7 +369,7 @@ def bench_young_collections(samples: int, rng: np.random.Generator) -> None:
         gc.callbacks.remove(timer)
     for held, values in results.items():
         emit("scheduler.young_collections_ms", round(statistics.median(values), 3), "ms",
-             held=held, tokens=n_tokens, samples=samples)  # fmt: skip
+             held=held, tokens=COLD_TOKENS, samples=samples)  # fmt: skip
 
 
 def bench_decode_steps(batch: int, steps: int, rng: np.random.Generator) -> None:

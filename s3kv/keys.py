@@ -326,8 +326,8 @@ class KeyRun:
     """Consecutive plain blocks whose keys are still to be hashed: what :func:`chain_from`
     needs, so that whoever uses the keys can hash them later, elsewhere.
 
-    The tokens may be given as bytes, or (:meth:`deferred`) as a range of a token sequence
-    that is converted the first time :attr:`tokens` is read: by whoever hashes the keys or
+    The tokens may be given as bytes, or (:meth:`deferred`) as a range of a :class:`KeyChain`'s
+    tokens, read and converted the first time the run is read: by whoever hashes the keys or
     pickles the run, not by whoever plans it. Immutable; equal runs compare equal.
 
     Args:
@@ -344,27 +344,18 @@ class KeyRun:
     blocks: int
     _nbytes: int
     _tokens: bytes | None  # None until the deferred source is converted
-    _source: tuple[Sequence[int] | _ChainTokens, int, int] | None  # (tokens, start, stop)
+    _source: tuple[KeyChain, int, int] | None  # (chain, first token, end) still to read
 
     def __init__(self, parent: bytes, tokens: bytes, tokens_per_block: int) -> None:
         self._init(parent, tokens_per_block, len(tokens), bytes(tokens), None)
 
     @classmethod
-    def deferred(
-        cls,
-        parent: bytes,
-        source: Sequence[int] | _ChainTokens,
-        start: int,
-        stop: int,
-        tokens_per_block: int,
-    ) -> KeyRun:
-        """The run of ``source[start:stop]``, referenced and converted on first read.
-
-        ``stop - start`` must be whole blocks, and ``source[start:stop]`` must not change
-        afterwards (:meth:`KeyChain.run_of` reads a chain's tokens through the chain).
-        """
+    def deferred(cls, parent: bytes, chain: KeyChain, start: int, stop: int) -> KeyRun:
+        """The run of ``chain``'s blocks ``start .. stop - 1`` after the block keyed
+        ``parent``, read from the chain when the run is first read."""
+        tpb = chain.tokens_per_block
         run = cls.__new__(cls)
-        run._init(parent, tokens_per_block, 4 * max(0, stop - start), None, (source, start, stop))
+        run._init(parent, tpb, 4 * tpb * max(0, stop - start), None, (chain, start, stop))
         return run
 
     def _init(
@@ -373,7 +364,7 @@ class KeyRun:
         tokens_per_block: int,
         nbytes: int,
         tokens: bytes | None,
-        source: tuple[Sequence[int] | _ChainTokens, int, int] | None,
+        source: tuple[KeyChain, int, int] | None,
     ) -> None:
         _check_tokens_per_block(tokens_per_block)
         setter = object.__setattr__
@@ -392,11 +383,11 @@ class KeyRun:
 
     @property
     def tokens(self) -> bytes:
-        """The run's tokens, uint32 little-endian (a deferred source converted now, once).
+        """The run's tokens, uint32 little-endian (a deferred run's read now, once).
 
         Raises:
-            KeyDerivationError: a deferred source holds a token outside 0..2**32-1, or the
-                chain it reads let go of them (:attr:`released`; :meth:`keys` still answers).
+            KeyDerivationError: a deferred run's chain holds a token outside 0..2**32-1, or
+                let go of the tokens once it hashed their blocks (:meth:`keys` still answers).
         """
         read = self._read()
         if isinstance(read, bytes):
@@ -409,7 +400,7 @@ class KeyRun:
         """The run's keys (what :class:`KeyChain` gives for the same blocks).
 
         Raises:
-            KeyDerivationError: a deferred source holds a token outside 0..2**32-1.
+            KeyDerivationError: a deferred run's chain holds a token outside 0..2**32-1.
         """
         read = self._read()
         if isinstance(read, bytes):
@@ -417,10 +408,10 @@ class KeyRun:
         return read  # NOTE: the chain hashed these blocks and let go of their tokens
 
     def _read(self) -> bytes | list[BlockHash]:
-        """The tokens (converted once), or the keys where the chain released the tokens.
+        """The tokens (converted once), or the keys where the chain let go of the tokens.
 
-        NOTE: threads may race here: each reads the slots once, converts from a source it
-        saw and stores the same bytes; the source goes only after the bytes are stored.
+        NOTE: threads may race here: each reads the slots once, converts what it read and
+        stores the same bytes; the source goes only after the bytes are stored.
         """
         tokens, source = self._tokens, self._source
         if tokens is not None:
@@ -428,28 +419,14 @@ class KeyRun:
         if source is None:  # NOTE: another thread converted it between the two reads
             assert self._tokens is not None
             return self._tokens
-        origin, start, stop = source
-        if isinstance(origin, _ChainTokens):
-            held = origin.read(start, stop)
-            if not isinstance(held, _TokensHeld):
-                return held
-            tokens = _token_bytes(held.tokens)
-        else:
-            tokens = _token_bytes(origin[start:stop])
+        chain, start, stop = source
+        held, keys = chain.read_run(start, stop)
+        if held is None:
+            return keys
+        tokens = _token_bytes(held)
         object.__setattr__(self, "_tokens", tokens)
         object.__setattr__(self, "_source", None)
         return tokens
-
-    @property
-    def released(self) -> bool:
-        """The chain it reads hashed its blocks and let go of the tokens: :meth:`keys` still
-        answers (from the chain), :attr:`tokens` and pickling do not."""
-        source = self._source
-        return (
-            source is not None
-            and isinstance(source[0], _ChainTokens)
-            and source[1] < source[0].chain.first_held_token
-        )
 
     def __setattr__(self, name: str, value: object) -> None:
         raise AttributeError(f"KeyRun is immutable: cannot set {name}")
@@ -558,11 +535,6 @@ class KeyChain(Sequence[BlockHash]):
         return self._tpb
 
     @property
-    def first_held_token(self) -> int:
-        """The first token the chain still holds (those before it: their blocks are hashed)."""
-        return self._base
-
-    @property
     def hashed(self) -> int:
         """Blocks hashed so far."""
         return len(self._keys)
@@ -625,9 +597,7 @@ class KeyChain(Sequence[BlockHash]):
             # NOTE: read from the chain when the run is hashed or pickled, not converted
             # here (8K tokens: 30-90 us before the forward pass); through the chain, so that
             # compact() can let go of the list the tokens came in.
-            return KeyRun.deferred(
-                self._keys[start - 1], _ChainTokens(self), start * tpb, stop * tpb, tpb
-            )
+            return KeyRun.deferred(self._keys[start - 1], self, start, stop)
 
     def extend(self, tokens: Sequence[int]) -> None:
         """Append ``tokens`` (those after the ones given so far).
@@ -658,10 +628,11 @@ class KeyChain(Sequence[BlockHash]):
         they came in, which the chain then no longer references.
 
         NOTE: a prompt's ints in a list cost every garbage collection that finds the list
-        young a pass over them; a cold 8K-token prompt's two lists added 0.15 ms of
-        collections before its first token (``gpu_ab.py``). Packing costs 30-90 us, so the
-        scheduler calls this once the forward pass is queued. Tokens that cannot be packed
-        (not all in 0..2**32-1) stay as they are: they raise where their block is hashed.
+        young a pass over them: a cold 8K-token prompt's lists added 0.13-0.16 ms to ten
+        young collections (``bench_scheduler.py``'s ``scheduler.young_collections_ms``).
+        Packing costs 30-90 us, so the scheduler calls this once the forward pass is queued.
+        Tokens that cannot be packed (not all in 0..2**32-1) stay as they are: they raise
+        where their block is hashed.
         """
         with self._lock:
             if isinstance(self._tokens, array.array) or self._base >= self._total:
@@ -670,16 +641,15 @@ class KeyChain(Sequence[BlockHash]):
             if packed is not None:
                 self._tokens, self._owned = packed, True
 
-    def read_run(self, start: int, stop: int) -> _TokensHeld | list[BlockHash]:
-        """Tokens ``start .. stop - 1`` (whole blocks) as held now, or, where the chain let go
-        of them (every full block hashed), their blocks' keys; in one step under the lock,
-        so that no other thread's hashing comes between the two."""
+    def read_run(self, start: int, stop: int) -> tuple[Sequence[int] | None, list[BlockHash]]:
+        """Blocks ``start .. stop - 1``: ``(tokens, [])`` where the chain still holds their
+        tokens, else ``(None, keys)`` (it let go of them once every full block was hashed);
+        in one step under the lock, so that no other thread's hashing comes between."""
         with self._lock:
-            base = self._base
-            if start >= base:
-                return _TokensHeld(self._tokens[start - base : stop - base])
-            tpb = self._tpb
-            return self._keys[start // tpb : stop // tpb]
+            tpb, base = self._tpb, self._base
+            if start * tpb >= base:
+                return self._tokens[start * tpb - base : stop * tpb - base], []
+            return None, self._keys[start:stop]
 
     def _hash(self, have: int, upto: int) -> None:
         """Caller holds the lock."""
@@ -694,39 +664,8 @@ class KeyChain(Sequence[BlockHash]):
             self._owned, self._base = True, upto * tpb
 
 
-@dataclass(frozen=True)
-class _TokensHeld:
-    """Tokens a chain still holds (what :meth:`KeyChain.read_run` gives when it can)."""
-
-    tokens: Sequence[int]
-
-
-class _ChainTokens:
-    """A :class:`KeyChain`'s tokens as a deferred :class:`KeyRun` reads them: from whatever
-    the chain holds when the run is read, by absolute position."""
-
-    __slots__ = ("chain",)
-
-    def __init__(self, chain: KeyChain) -> None:
-        self.chain = chain
-
-    def __getitem__(self, index: slice) -> Sequence[int]:
-        held = self.chain.read_run(index.start, index.stop)
-        if not isinstance(held, _TokensHeld):
-            raise KeyDerivationError(
-                "a run's tokens were released once the chain hashed its blocks: read its keys"
-            )
-        return held.tokens
-
-    def read(self, start: int, stop: int) -> _TokensHeld | list[BlockHash]:
-        """:meth:`KeyChain.read_run`."""
-        return self.chain.read_run(start, stop)
-
-
 def _packed(tokens: Sequence[int]) -> array.array[int] | None:
     """``tokens`` as an ``array("I")`` (4-byte items), or ``None`` where they do not fit."""
-    if isinstance(tokens, array.array) and tokens.typecode == "I" and tokens.itemsize == 4:
-        return array.array("I", tokens)
     if not isinstance(tokens, list | tuple):
         return None
     try:

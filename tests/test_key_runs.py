@@ -69,13 +69,18 @@ def test_a_run_reads_its_tokens_only_when_its_keys_are_needed() -> None:
 
 def test_a_deferred_run_travels_as_bytes_and_equals_the_eager_one() -> None:
     keys = chain_hashes(PROMPT, TPB)
-    deferred = KeyRun.deferred(keys[1], PROMPT, 2 * TPB, 6 * TPB, TPB)
-    eager = KeyRun(keys[1], chain_from_tokens(PROMPT[2 * TPB : 6 * TPB]), TPB)
+    step = KeyChain.STEP
+    chain = KeyChain(PROMPT, TPB)
+    chain.ensure(1)
+    deferred = chain.run_of(step, 20)
+    assert deferred is not None
+    eager = KeyRun(keys[step - 1], chain_from_tokens(PROMPT[step * TPB : 20 * TPB]), TPB)
     assert deferred == eager
     assert hash(deferred) == hash(eager)
-    wire = pickle.loads(pickle.dumps(KeyRun.deferred(keys[1], PROMPT, 2 * TPB, 6 * TPB, TPB)))
+    fresh = chain.run_of(step, 20)
+    wire = pickle.loads(pickle.dumps(fresh))
     assert wire == eager
-    assert wire.keys() == keys[2:6]
+    assert wire.keys() == keys[step:20]
 
 
 def chain_from_tokens(tokens: list[int]) -> bytes:
@@ -83,8 +88,11 @@ def chain_from_tokens(tokens: list[int]) -> bytes:
 
 
 def test_a_bad_token_in_a_deferred_run_raises_where_the_keys_are_read() -> None:
-    tokens = [1, 2, 3, 4, 5, -6, 7, 8]
-    run = KeyRun.deferred(chain_hashes([1, 2, 3, 4], TPB)[0], tokens, 4, 8, TPB)
+    step = KeyChain.STEP
+    chain = KeyChain([*PROMPT[: (step + 1) * TPB], -6, *PROMPT[(step + 1) * TPB + 1 :]], TPB)
+    chain.ensure(1)
+    run = chain.run_of(step, 20)  # NOTE: planned: nothing read yet
+    assert run is not None
     with pytest.raises(KeyDerivationError, match="token"):
         run.keys()
 
@@ -97,7 +105,6 @@ def test_growing_the_chain_leaves_a_planned_run_as_it_was() -> None:
     assert run is not None
     chain.extend(PROMPT[(step + 4) * TPB :])  # decode tokens: the chain's own list grows
     chain.ensure(len(chain))  # every full block hashed: the chain lets go of its tokens
-    assert run.released, "every full block hashed: the chain let go of the tokens"
     assert run.keys() == chain_hashes(PROMPT, TPB)[step : step + 4], "read from the chain"
     with pytest.raises(KeyDerivationError, match="released"):
         run.tokens  # noqa: B018

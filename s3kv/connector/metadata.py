@@ -218,10 +218,10 @@ class SaveOps(Sequence[SaveOp]):
 
     def __reduce__(self) -> tuple[type[SaveOps], tuple[object, ...]]:
         # NOTE: runs travel unhashed, as bytes: the receiver hashes them when it reads the
-        # keys. This runs inside TensorRT-LLM's broadcast, where nothing may raise: a run
-        # whose chain let go of its tokens sends its keys instead, and saves whose keys
-        # cannot be derived at all (a token out of range) are not sent (their requests'
-        # workers then report them done at once).
+        # keys. This runs inside TensorRT-LLM's broadcast, where nothing may raise: runs whose
+        # chain let go of their tokens send the keys instead, and saves whose keys cannot be
+        # derived at all (a token out of range) are not sent (their requests' workers then
+        # report them done at once).
         columns = self._columns
         try:
             for _, run in columns[2]:

@@ -309,8 +309,8 @@ class SchedulerCore:
         self, state: _Request, data: StepReport, *, first: bool
     ) -> _PlannedSaves:
         # NOTE: the reports' token lists are not kept: a prompt's 8K ints held in a list
-        # across the next iterations cost every garbage collection there a pass over them
-        # (+0.15 ms of collections before a cold SmolLM2 prompt's first token, gpu_ab.py).
+        # across the next iterations cost every young garbage collection there a pass over
+        # them (bench_scheduler.py's scheduler.young_collections_ms).
         # The keys' chain holds the prompt; decode tokens go to it only if they are saved.
         if first:
             valid = data.computed_position + state.connector_tokens + data.num_scheduled_tokens
@@ -328,9 +328,8 @@ class SchedulerCore:
         reported do not line up with it), no block past its end is keyed or saved; the
         prompt's blocks still are."""
         count = len(tokens)
-        if not count or not self.config.save_decode_blocks or not state.decode_keys:
-            return
-        if state.key_inputs is None:
+        decode = self.config.save_decode_blocks and state.decode_keys
+        if not count or not decode or state.key_inputs is None:
             return
         chain = state.keys
         skip = chain.num_tokens - (state.num_tokens - count)  # NOTE: tokens it already has
