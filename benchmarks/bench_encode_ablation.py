@@ -8,7 +8,8 @@ and without it shows what that part costs when threads share the GIL:
 * ``no_join``: no final ``bytes`` (``_assemble`` returns the pieces): the 1 MB copy of the
   payload into the result, made under the GIL;
 * ``no_low_copies``: the low planes' raw frames get their headers but not their bytes: one
-  GIL-dropping numpy copy per chunk (6 for a SmolLM2 block);
+  GIL-dropping numpy copy per chunk (3 for a SmolLM2 block; 6 before 2026-11-30's larger
+  chunks);
 * ``no_probe``: the low-plane probe says "incompressible" without coding a sample;
 * ``none``: all three removed.
 
@@ -72,10 +73,11 @@ def ablate(name: str) -> Callable[[], None]:
     if "no_low_copies" in parts:
 
         def header_only(words: Any, n: int, payload: Any, at: int, sections: list[Any]) -> int:
-            header = _zstd.raw_frame_header(n)
-            payload[at : at + header.size] = header
-            sections.append((_planes.SectionCodec.ZSTD, header.size + n))
-            return at + header.size + n
+            prefix = _zstd.raw_frame_prefix(n)
+            payload[at : at + prefix.size] = prefix
+            size = _zstd.raw_frame_overhead(n) + n
+            sections.append((_planes.SectionCodec.ZSTD, size))
+            return at + size
 
         _planes._add_raw_frame = header_only
     if "no_probe" in parts:

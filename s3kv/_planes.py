@@ -93,10 +93,14 @@ from s3kv import _zstd
 
 U8 = npt.NDArray[np.uint8]
 
-#: Most raw bytes per chunk of a byte-plane object: each plane section is at most one
-#: 128 KiB zstd block (a raw frame holds one: ``_zstd.MAX_RAW_FRAME``), and a chunk's planes
-#: plus its output (512 KiB) stay in L2 while merged.
-PLANE_CHUNK: Final = 256 * 1024
+#: Most raw bytes per chunk of a PLANES_ZSTD object: each plane section is at most the
+#: 256 KiB every reader accepts (``_zstd.MAX_ENTROPY_CHUNK``), a frame of two zstd blocks.
+#: Half the chunks of 256 KiB ones: each chunk costs the encoder two calls that drop the GIL.
+PLANE_CHUNK: Final = 512 * 1024
+#: Raw bytes per chunk of a PLANES_REF object (its planes' pieces are ``REF_CHUNK // 2``),
+#: and of every PLANES_ZSTD object written before 2026-11-30: the most sections per byte
+#: any object has (:func:`s3kv.codec.max_object_len`).
+REF_CHUNK: Final = 256 * 1024
 #: Raw bytes per chunk of plain zstd: level 1's window is 512 KiB, so 4 MiB frames cost no
 #: ratio and bound the work of one call.
 ZSTD_CHUNK: Final = 4 * 1024 * 1024
@@ -180,14 +184,15 @@ def encode_zstd(data: U8, level: int, hasher: Any) -> Layout | None:
 def planes_room(nbytes: int) -> tuple[int, int]:
     """Sections of a PLANES_ZSTD payload of ``nbytes`` raw bytes, and the room
     :func:`encode_planes` needs to write it into (its ``out``)."""
-    frames = 2 * -(-(nbytes // 2) // chunk_elements(nbytes // 2))
-    return frames, nbytes + _zstd.RAW_FRAME_OVERHEAD * frames + _zstd.FRAME_BOUND
+    step = chunk_elements(nbytes // 2)
+    frames = 2 * -(-(nbytes // 2) // step)
+    return frames, nbytes + _zstd.raw_frame_overhead(step) * frames + _zstd.FRAME_BOUND
 
 
 def ref_room(nbytes: int, geometry: RefGeometry) -> tuple[int, int]:
     """Sections of a PLANES_REF payload of ``nbytes`` raw bytes, and the room
     :func:`encode_ref` needs to write it into (its ``out``)."""
-    frames = ref_section_count(geometry, PLANE_CHUNK)
+    frames = ref_section_count(geometry, REF_CHUNK)
     return frames, nbytes + geometry.refs + _zstd.RAW_FRAME_OVERHEAD * frames + _zstd.FRAME_BOUND
 
 
@@ -249,8 +254,8 @@ def chunk_elements(n: int) -> int:
     """Elements per chunk of an ``n``-element PLANES_ZSTD object: as few chunks as
     ``PLANE_CHUNK`` bytes allow, of equal size (the last shorter by less than one element
     per chunk). Equal chunks merge in one numpy call per plane operation; a short last one
-    takes two more calls, each a hand-off of the GIL (a 1.47 MB block: 6 chunks of 240 KiB,
-    not 5 of 256 KiB and one of 160 KiB). Readers take the chunk length from the header."""
+    takes two more calls, each a hand-off of the GIL (a 1.47 MB block: 3 chunks of 480 KiB,
+    not 2 of 512 KiB and one of 448 KiB). Readers take the chunk length from the header."""
     count = max(1, -(-n // (PLANE_CHUNK // 2)))
     return max(1, -(-n // count))
 
@@ -275,13 +280,29 @@ def _add_plane(
 
 def _add_raw_frame(words: Any, n: int, payload: U8, at: int, sections: list[Any]) -> int:
     """Append the low bytes of ``words[:n]`` (bytes, or 16-bit elements) to ``payload`` at
-    ``at`` as a raw zstd frame (:func:`s3kv._zstd.raw_frame_header`); returns the new end."""
-    header = _zstd.raw_frame_header(n)
-    body = at + header.size
-    payload[at:body] = header
-    np.copyto(payload[body : body + n], words[:n], casting="unsafe")
-    sections.append((SectionCodec.ZSTD, header.size + n))
-    return body + n
+    ``at`` as a raw zstd frame of equal blocks (:func:`s3kv._zstd.raw_blocks`): one strided
+    copy fills them, their headers written around it; returns the new end."""
+    prefix = _zstd.raw_frame_prefix(n)
+    body = at + prefix.size
+    payload[at:body] = prefix
+    _, size = _zstd.raw_blocks(n)
+    equal = n // size  # every block, or all but a shorter last one
+    width = _zstd.BLOCK_HEADER + size
+    rows = payload[body : body + equal * width].reshape(equal, width)
+    rows[:, : _zstd.BLOCK_HEADER] = _zstd.raw_block_header(size, False)
+    np.copyto(rows[:, _zstd.BLOCK_HEADER :], words[: equal * size].reshape(equal, size),
+              casting="unsafe")  # fmt: skip
+    end = body + equal * width
+    rest = n - equal * size
+    if rest:
+        payload[end : end + _zstd.BLOCK_HEADER] = _zstd.raw_block_header(rest, True)
+        end += _zstd.BLOCK_HEADER
+        np.copyto(payload[end : end + rest], words[equal * size : n], casting="unsafe")
+        end += rest
+    else:
+        rows[-1, : _zstd.BLOCK_HEADER] = _zstd.raw_block_header(size, True)
+    sections.append((SectionCodec.ZSTD, end - at))
+    return end
 
 
 def decode_chunks(sections: tuple[Section, ...], src: U8, at: int, target: U8, hasher: Any) -> None:
@@ -455,7 +476,7 @@ def encode_ref(
     The high byte of every element (bf16: sign and 7 exponent bits) is subtracted, mod 256,
     from its channel's reference: the largest high byte over the block's tokens of that
     (layer, K/V, head, dim). K and V residuals, then the references, are Huffman-coded in
-    pieces of ``PLANE_CHUNK // 2`` bytes; the low bytes follow, in raw frames unless a
+    pieces of ``REF_CHUNK // 2`` bytes; the low bytes follow, in raw frames unless a
     probe shows they compress. Feeds every raw byte to ``hasher``. Returns None when the
     payload would not be smaller than the raw bytes. The layout's one piece is a view of
     the payload where it was written: ``out`` (from its start; :func:`ref_room` says how
@@ -488,7 +509,7 @@ def encode_ref(
     np.bitwise_and(rows, _EXPONENT_BITS, out=masked)
     _token_max(masked, ref_rows)
     _subtract_refs(st, refs, rows)
-    piece = PLANE_CHUNK // 2
+    piece = REF_CHUNK // 2
     payload = _payload_buffer(st, ref_room(data.size, g)[1], out)
     sections: list[tuple[SectionCodec, int]] = []
     at = 0
@@ -510,7 +531,7 @@ def encode_ref(
         return None
     body = payload[:at]
     checksum = xxhash.xxh3_64(body.data).digest()
-    return Layout(2, PLANE_CHUNK, sections, [body.data], checksum)
+    return Layout(2, REF_CHUNK, sections, [body.data], checksum)
 
 
 def _add_raw_frames(words: Any, piece: int, payload: U8, at: int, sections: list[Any]) -> int:

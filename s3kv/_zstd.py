@@ -44,8 +44,12 @@ _LITERAL_SLACK: Final = 8
 #: Bytes a :func:`raw_frame_header` adds in front of a stored plane: magic, a frame header
 #: with its content size, one block header.
 RAW_FRAME_OVERHEAD: Final = 12
-#: Largest plane one raw frame holds (one zstd block).
+#: Largest plane one raw frame of one block holds (:func:`raw_frame_header`).
 MAX_RAW_FRAME: Final = _BLOCK
+#: Bytes of a raw frame before its first block: magic, frame header with its content size.
+RAW_FRAME_PREFIX: Final = 9
+#: Bytes of a zstd block header.
+BLOCK_HEADER: Final = 3
 
 
 def _load_cffi() -> tuple[Any, Any] | None:
@@ -81,10 +85,52 @@ def raw_frame_header(n: int) -> U8:
     """
     if not 0 < n <= MAX_RAW_FRAME:
         raise ValueError(f"raw_frame_header: {n} bytes is not one zstd block (a caller bug)")
+    out = np.concatenate([raw_frame_prefix(n), raw_block_header(n, True)])
+    out.flags.writeable = False
+    return out
+
+
+def raw_blocks(n: int) -> tuple[int, int]:
+    """How a raw frame of ``n`` bytes is cut: ``(blocks, size)``, as few blocks as zstd's
+    128 KiB limit allows, of equal ``size`` but the last (shorter by less than ``blocks``).
+    Equal blocks let one strided copy fill them (see :mod:`s3kv._planes`)."""
+    blocks = max(1, -(-n // _BLOCK))
+    return blocks, -(-n // blocks)
+
+
+def raw_frame_overhead(n: int) -> int:
+    """Bytes a raw frame of ``n`` bytes adds to them: prefix and one header per block."""
+    return RAW_FRAME_PREFIX + BLOCK_HEADER * raw_blocks(n)[0]
+
+
+@functools.lru_cache(maxsize=64)  # NOTE: a few plane sizes per process
+def raw_frame_prefix(n: int) -> U8:
+    """The :data:`RAW_FRAME_PREFIX` bytes that open a single-segment zstd frame of ``n``
+    content bytes (RFC 8878: magic, descriptor, 4-byte content size); its raw blocks follow,
+    each behind a :func:`raw_block_header`.
+
+    Raises:
+        ValueError: ``n`` is outside 1..2**32-1 (a caller bug).
+    """
+    if not 0 < n < 1 << 32:
+        raise ValueError(f"raw_frame_prefix: {n} bytes (a caller bug)")
     descriptor = 0b1010_0000  # content size in 4 bytes, single segment, no checksum
-    block = (n << 3) | 1  # raw block (type 0), last block
-    header = b"\x28\xb5\x2f\xfd" + bytes([descriptor]) + n.to_bytes(4, "little")
-    out = np.frombuffer(header + block.to_bytes(3, "little"), np.uint8)
+    out = np.frombuffer(b"\x28\xb5\x2f\xfd" + bytes([descriptor]) + n.to_bytes(4, "little"),
+                        np.uint8)  # fmt: skip
+    out.flags.writeable = False
+    return out
+
+
+@functools.lru_cache(maxsize=64)
+def raw_block_header(size: int, last: bool) -> U8:
+    """The header of a raw zstd block of ``size`` bytes (type 0), flagged ``last`` or not.
+
+    Raises:
+        ValueError: ``size`` is outside 1..128 KiB (a caller bug).
+    """
+    if not 0 < size <= _BLOCK:
+        raise ValueError(f"raw_block_header: {size} bytes is not one zstd block (a caller bug)")
+    out = np.frombuffer(((size << 3) | int(last)).to_bytes(3, "little"), np.uint8)
     out.flags.writeable = False
     return out
 

@@ -26,12 +26,14 @@ Sections are chunk-major (except PLANES_REF's, below): for chunk c, the section(
 holding raw bytes ``[c * chunk_len, (c + 1) * chunk_len)``. With ``planes == 2``
 (PLANES_ZSTD on a 2-byte dtype) chunk c has two sections: first the high bytes of its
 elements (bf16: sign and 7 exponent bits, ~3 bits of entropy), then the low bytes
-(mantissa, ~8 bits: incompressible). The writer picks ``chunk_len``: since 2026-11-29 it
-cuts an object into equal chunks of at most 256 KiB, where it used to cut 256 KiB ones.
-A plane that a Huffman-coded frame does not shrink (and every low plane, where a probe of
-the object's first chunk finds them incompressible) goes in a raw zstd frame: 12 bytes
-around the bytes themselves, a zstd section to any reader. So every section of a plane
-object is a frame, and a reader decodes a group of them in one call. Releases before
+(mantissa, ~8 bits: incompressible). The writer picks ``chunk_len``: since 2026-11-30 it
+cuts an object into equal chunks of at most 512 KiB (a plane section of at most 256 KiB,
+the most every reader accepts); releases of 2026-11-29 cut equal chunks of at most 256 KiB,
+earlier ones 256 KiB chunks. A plane that a Huffman-coded frame does not shrink (and every
+low plane, where a probe of the object's first chunk finds them incompressible) goes in a
+raw zstd frame: 9 bytes of frame header, then the bytes in equal raw blocks of at most
+128 KiB behind 3-byte block headers, a zstd section to any reader. So every section of a
+plane object is a frame, and a reader decodes a group of them in one call. Releases before
 2026-11-29 stored such planes as sections of codec 0 (stored); those objects are read too.
 Plain zstd (codec ZSTD) stores a chunk as is where its frame does not shrink it. An object
 whose payload would not be smaller than its raw bytes is written with codec RAW.
@@ -399,10 +401,10 @@ def max_object_len(raw_len: int) -> int:
     stored as is; the plane codecs, whose raw frames and PLANES_REF's reference plane are
     extra, are written only when the payload is shorter than the raw bytes), and the
     header is fixed fields, up to 32 dims and 9 bytes per section: at most two per
-    :data:`~s3kv._planes.PLANE_CHUNK`, or two and a half plus four with PLANES_REF (its
-    references are at most half a plane).
+    :data:`~s3kv._planes.REF_CHUNK` (the smallest chunk any release writes), or two and a
+    half plus four with PLANES_REF (its references are at most half a plane).
     """
-    sections = 3 * -(-raw_len // _planes.PLANE_CHUNK) + 4
+    sections = 3 * -(-raw_len // _planes.REF_CHUNK) + 4
     return raw_len + _MIN_HEADER + 8 * _MAX_NDIM + _SECTION.size * sections
 
 

@@ -79,6 +79,7 @@ def chunked(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> 
     """Also encode with tiny chunks, so that many-section objects are exercised cheaply."""
     if request.param is not None:
         monkeypatch.setattr(_planes, "PLANE_CHUNK", request.param)
+        monkeypatch.setattr(_planes, "REF_CHUNK", request.param)
         monkeypatch.setattr(_planes, "ZSTD_CHUNK", request.param)
 
 
@@ -152,10 +153,10 @@ def test_incompressible_object_is_stored_raw() -> None:
 
 
 def test_planes_store_the_low_plane_raw_and_compress_the_high_plane() -> None:
-    """The low plane (~8 bits of entropy) is not coded: each chunk's goes in a raw zstd frame,
-    12 bytes of frame around the bytes themselves, which any zstd decoder reads."""
-    words = bf16_normal(300_000)  # > one chunk, so several sections
-    blob = codec.encode(words, key=KEY, dtype="bfloat16", shape=(300_000,))
+    """The low plane (~8 bits of entropy) is not coded: each chunk's goes in a raw zstd frame
+    of equal blocks (9 bytes of frame header, 3 per block), which any zstd decoder reads."""
+    words = bf16_normal(600_000)  # > one chunk, so several sections
+    blob = codec.encode(words, key=KEY, dtype="bfloat16", shape=(600_000,))
     header = codec.read_header(blob)
     assert header.codec is CodecId.PLANES_ZSTD
     assert header.planes == 2
@@ -167,8 +168,11 @@ def test_planes_store_the_low_plane_raw_and_compress_the_high_plane() -> None:
         at += section.stored_len
         if i % 2:
             low = (words[i // 2 * step : (i // 2 + 1) * step] & 0xFF).astype(np.uint8)
-            assert section.stored_len == section.raw_len + _zstd.RAW_FRAME_OVERHEAD
-            assert stored[_zstd.RAW_FRAME_OVERHEAD :] == low.tobytes()
+            blocks, size = _zstd.raw_blocks(section.raw_len)
+            assert blocks == 2
+            assert section.stored_len == section.raw_len + 9 + 3 * blocks
+            first, second = stored[12 : 12 + size], stored[12 + size + 3 :]
+            assert first + second == low.tobytes()
             assert zstandard.ZstdDecompressor().decompress(stored) == low.tobytes()
         else:
             assert section.stored_len < section.raw_len / 2
@@ -177,7 +181,7 @@ def test_planes_store_the_low_plane_raw_and_compress_the_high_plane() -> None:
 @pytest.mark.parametrize("n", [1, 5, 131_072, 131_073, 300_001, 737_280, 1 << 22])
 def test_chunks_are_as_few_as_the_limit_allows_and_equal(n: int) -> None:
     """Equal chunks merge in one numpy call per operation (a short last chunk costs two more
-    hand-offs of the GIL per block): a SmolLM2 block (737,280 elements) is 6 x 240 KiB."""
+    hand-offs of the GIL per block): a SmolLM2 block (737,280 elements) is 3 x 480 KiB."""
     step = _planes.chunk_elements(n)
     count = -(-n // step)
     assert 2 * step <= _planes.PLANE_CHUNK
@@ -185,7 +189,7 @@ def test_chunks_are_as_few_as_the_limit_allows_and_equal(n: int) -> None:
     assert 0 <= step - (n - (count - 1) * step) < count
     if n == 737_280:
         blob = codec.encode(bf16_normal(n), key=KEY, dtype="bfloat16", shape=(n,))
-        assert codec.read_header(blob).chunk_len == 245_760
+        assert codec.read_header(blob).chunk_len == 491_520
 
 
 GOLDEN = Path(__file__).parent / "data" / "codec-objects-db28acd.json"
@@ -240,9 +244,36 @@ def test_a_block_decodes_in_one_libzstd_call_per_group(
     assert counting.decodes == calls
 
 
-def test_a_plane_chunk_fits_one_raw_frame() -> None:
-    """A plane that does not compress goes in a raw frame of one zstd block."""
-    assert _planes.PLANE_CHUNK // 2 <= _zstd.MAX_RAW_FRAME
+def test_a_plane_chunk_is_as_large_as_every_reader_accepts() -> None:
+    """Readers since the plane codec's first release refuse plane sections over
+    MAX_ENTROPY_CHUNK: a larger chunk would read as corrupt to them (and an older
+    `s3kv verify --delete-corrupt` would delete it)."""
+    assert _planes.PLANE_CHUNK // 2 == _zstd.MAX_ENTROPY_CHUNK
+    assert _planes.REF_CHUNK // 2 <= _zstd.MAX_RAW_FRAME  # PLANES_REF's raw frames: one block
+
+
+@pytest.mark.parametrize("n", [1, 5, 131_071, 131_072, 131_073, 245_760, 262_143, 262_144])
+def test_a_raw_frame_of_equal_blocks_reads_back_through_zstd(n: int) -> None:
+    """Around zstd's 128 KiB block limit: the blocks are equal but the last, which alone is
+    flagged last, and the frame's length is what planes_room counts on."""
+    words = np.arange(n, dtype=np.uint16) * 7919
+    payload = np.zeros(n + 64, np.uint8)
+    sections: list[Any] = []
+    end = _planes._add_raw_frame(words, n, payload, 3, sections)
+    blocks, size = _zstd.raw_blocks(n)
+    assert end - 3 == n + _zstd.raw_frame_overhead(n) == sections[0][1]
+    assert blocks == -(-n // 131_072)
+    low = (words & 0xFF).astype(np.uint8).tobytes()
+    assert zstandard.ZstdDecompressor().decompress(payload[3:end].tobytes()) == low
+    at, lasts = 3 + 9, []
+    for _ in range(blocks):
+        header = int.from_bytes(payload[at : at + 3].tobytes(), "little")
+        assert header & 0b110 == 0  # a raw block
+        lasts.append(header & 1)
+        assert (header >> 3) == size if not lasts[-1] else 0 < (header >> 3) <= size
+        at += 3 + (header >> 3)
+    assert lasts == [0] * (blocks - 1) + [1]
+    assert at == end
 
 
 @pytest.mark.parametrize("shape", [(300_000,), (1_300_001,), (3, 2, 4, 64, 64)])
@@ -410,9 +441,16 @@ def test_forged_huge_raw_len_never_allocates(blob: bytes) -> None:
 
 
 def raw_frame(data: bytes) -> bytes:
-    """RFC 8878: magic, a single-segment frame header with a 4-byte size, one raw block."""
-    head = struct.pack("<IBI", 0xFD2FB528, 0xA0, len(data))
-    return head + ((len(data) << 3) | 1).to_bytes(3, "little") + data
+    """RFC 8878: magic, a single-segment frame header with a 4-byte size, then raw blocks of
+    at most 128 KiB, as few as that allows, equal but the last, which alone is flagged."""
+    blocks = -(-len(data) // 131_072)
+    size = -(-len(data) // blocks)
+    frame = struct.pack("<IBI", 0xFD2FB528, 0xA0, len(data))
+    for start in range(0, len(data), size):
+        piece = data[start : start + size]
+        last = start + size >= len(data)
+        frame += ((len(piece) << 3) | last).to_bytes(3, "little") + piece
+    return frame
 
 
 def reference_planes_object(words: np.ndarray, key: str, *, low_frames: bool = True) -> bytes:
@@ -431,8 +469,9 @@ def reference_planes_object(words: np.ndarray, key: str, *, low_frames: bool = T
         low = (chunk & 0xFF).astype(np.uint8).tobytes()  # normal values: low plane raw
         if low_frames:
             low = raw_frame(low)
-        table += [(1, size) if size else (1, chunk.size + 12), (int(low_frames), len(low))]
-        body += [frame[:size].tobytes() if size else raw_frame(high.tobytes()), low]
+        coded = frame[:size].tobytes() if size else raw_frame(high.tobytes())
+        table += [(1, len(coded)), (int(low_frames), len(low))]
+        body += [coded, low]
     payload = b"".join(body)
     head = struct.pack(
         "<4sHIBBBBQQ16s16s8sQI",
@@ -450,7 +489,7 @@ def test_plane_objects_match_the_wire_format_byte_for_byte(
     chunk: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(_planes, "PLANE_CHUNK", chunk)
-    for n in (3000, 300_001):
+    for n in (3000, 300_001, 737_280, 1_000_001):
         words = bf16_normal(n, seed=n)
         blob = codec.encode(words, key=KEY, dtype=DType.BFLOAT16, shape=(n,))
         assert blob == reference_planes_object(words, KEY)

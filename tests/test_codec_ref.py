@@ -48,7 +48,7 @@ def ref_blob(shape: tuple[int, ...] = SHAPE, dtype: DType = DType.BFLOAT16) -> b
 def chunked(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
     """Also encode with tiny chunks: every plane in several sections."""
     if request.param is not None:
-        monkeypatch.setattr(_planes, "PLANE_CHUNK", request.param)
+        monkeypatch.setattr(_planes, "REF_CHUNK", request.param)
 
 
 # -- round trips and fallback --------------------------------------------------------------
@@ -66,7 +66,7 @@ def test_round_trip_of_kv_like_blocks(dtype: DType, shape: tuple[int, ...]) -> N
     raw = kv_like(shape, dtype)
     blob = codec.encode(raw, key=KEY, dtype=dtype, shape=shape, codec=CodecId.PLANES_REF)
     header = codec.read_header(blob)
-    if _planes.PLANE_CHUNK > 4096 and math.prod(shape) >= 1000:  # NOTE: tiny frames may not pay
+    if _planes.REF_CHUNK > 4096 and math.prod(shape) >= 1000:  # NOTE: tiny frames may not pay
         assert (header.codec, header.planes, header.shape) == (CodecId.PLANES_REF, 2, shape)
     assert bytes(codec.decode(blob, key=KEY)) == raw.tobytes()
     out = np.full(raw.nbytes, 0xA5, np.uint8)
