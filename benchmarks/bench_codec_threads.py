@@ -54,6 +54,13 @@ copy under the GIL; at 8 threads planes-zstd 3,394-3,768 against ``encode``'s 2,
 MB/s, planes-ref 2,622-2,862 against 2,111-2,204 (``bench_encode_ablation.py`` measured what
 each part of the encoder costs threads).
 
+Larger chunks (commit ac69793, ``codec_threads-h200-host-2026-11-29-larger-chunks.jsonl``,
+rows ``version`` old/new interleaved in three rounds): PLANES_ZSTD chunks of up to 512 KiB,
+so a block is 3 chunks and the encoder makes 10 GIL-dropping calls a block, not 16.
+``encode_view`` at 8 threads 3,336-3,591 against 3,008-3,058 MB/s (3.5-4.1x one thread's,
+against 3.0-3.5x; 8 processes 5,178), staging 4,963-5,421 against 4,355-5,026; decode alone
+5,703-5,999 against 5,961-6,192, within the host's spread (its decoders did not change).
+
 ``--codec planes-ref`` times the codec cases with PLANES_REF (blocks recorded with the
 connector's 5-D shape); rows name the codec.
 

@@ -8,7 +8,7 @@ and without it shows what that part costs when threads share the GIL:
 * ``no_join``: no final ``bytes`` (``_assemble`` returns the pieces): the 1 MB copy of the
   payload into the result, made under the GIL;
 * ``no_low_copies``: the low planes' raw frames get their headers but not their bytes: one
-  GIL-dropping numpy copy per chunk (3 for a SmolLM2 block; 6 before 2026-11-30's larger
+  GIL-dropping numpy copy per chunk (3 for a SmolLM2 block; 6 before commit ac69793's larger
   chunks);
 * ``no_probe``: the low-plane probe says "incompressible" without coding a sample;
 * ``none``: all three removed.

@@ -77,6 +77,16 @@ threads (2.8x, 1.2x and 1.3x the throughput; single-thread equal within noise).
   header in front and returns the object without the final copy (made holding the GIL)
   that a ``bytes`` result needs: at 8 threads +8-30% (``benchmarks/bench_encode_ablation.py``
   measured what that copy cost).
+* Chunks of up to 512 KiB (commit ac69793): a plane section of up to 256 KiB, the most
+  every reader since the codec's first release accepts, so a 1.47 MB block is 3 chunks, not
+  6. The encoder's per-chunk calls (a high frame, a low copy) halve: a raw frame of two
+  equal blocks takes one strided copy. Calls that drop the GIL per encoded block 16 -> 10.
+  H200 host, interleaved with the code before, three rounds
+  (``codec_threads-h200-host-2026-11-29-larger-chunks.jsonl``): ``encode_view`` at 8 threads
+  3,336-3,591 against 3,008-3,058 MB/s (context switches per block 10.1-10.7 against
+  16.3-16.5; 8 processes 5,178), one thread within noise; staging at 8 threads 4,963-5,421
+  against 4,355-5,026; decode alone 5,703-5,999 against 5,961-6,192 (the host's +-10%).
+  The objects are read by every release: the decoders did not change.
 """
 
 from __future__ import annotations
@@ -98,7 +108,7 @@ U8 = npt.NDArray[np.uint8]
 #: Half the chunks of 256 KiB ones: each chunk costs the encoder two calls that drop the GIL.
 PLANE_CHUNK: Final = 512 * 1024
 #: Raw bytes per chunk of a PLANES_REF object (its planes' pieces are ``REF_CHUNK // 2``),
-#: and of every PLANES_ZSTD object written before 2026-11-30: the most sections per byte
+#: and of every PLANES_ZSTD object written before commit ac69793: the most sections per byte
 #: any object has (:func:`s3kv.codec.max_object_len`).
 REF_CHUNK: Final = 256 * 1024
 #: Raw bytes per chunk of plain zstd: level 1's window is 512 KiB, so 4 MiB frames cost no

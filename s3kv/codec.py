@@ -26,10 +26,10 @@ Sections are chunk-major (except PLANES_REF's, below): for chunk c, the section(
 holding raw bytes ``[c * chunk_len, (c + 1) * chunk_len)``. With ``planes == 2``
 (PLANES_ZSTD on a 2-byte dtype) chunk c has two sections: first the high bytes of its
 elements (bf16: sign and 7 exponent bits, ~3 bits of entropy), then the low bytes
-(mantissa, ~8 bits: incompressible). The writer picks ``chunk_len``: since 2026-11-30 it
+(mantissa, ~8 bits: incompressible). The writer picks ``chunk_len``: since commit ac69793 it
 cuts an object into equal chunks of at most 512 KiB (a plane section of at most 256 KiB,
-the most every reader accepts); releases of 2026-11-29 cut equal chunks of at most 256 KiB,
-earlier ones 256 KiB chunks. A plane that a Huffman-coded frame does not shrink (and every
+the most every reader accepts); from 20412bf to then, equal chunks of at most 256 KiB;
+before, 256 KiB chunks. A plane that a Huffman-coded frame does not shrink (and every
 low plane, where a probe of the object's first chunk finds them incompressible) goes in a
 raw zstd frame: 9 bytes of frame header, then the bytes in equal raw blocks of at most
 128 KiB behind 3-byte block headers, a zstd section to any reader. So every section of a
