@@ -6,6 +6,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -67,22 +68,48 @@ def test_the_converted_checkpoint_is_keyed_by_the_models_content(tmp_path: Path)
     assert smollm2._content_key(edited) != smollm2._content_key(installed)
 
 
-def test_a_conversion_whose_process_died_is_removed_and_a_live_ones_is_kept(
+def test_a_conversion_whose_process_died_long_ago_is_removed_and_others_are_kept(
     tmp_path: Path,
 ) -> None:
     from s3kv.testing import smollm2
 
     finished = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
                               check=True, capture_output=True, text=True)  # fmt: skip
-    dead = tmp_path / f"smollm2-hf-0123456789ab.{int(finished.stdout)}.tmp"
+    dead_pid = int(finished.stdout)
+    abandoned = tmp_path / f"smollm2-hf-0123456789ab.{dead_pid}.tmp"
+    # A dead pid with fresh files may be a writer in another pid namespace (a container).
+    fresh = tmp_path / f"smollm2-hf-0123456789ac.{dead_pid}.tmp"
     live = tmp_path / f"smollm2-hf-0123456789ab.{os.getpid()}.tmp"
     done = tmp_path / "smollm2-hf-0123456789ab"
-    for directory in (dead, live, done):
+    long_ago = time.time() - smollm2.ABANDONED_AFTER_S - 60
+    for directory in (abandoned, fresh, live, done):
         directory.mkdir()
         (directory / "config.json").write_text("{}")
+        if directory is not fresh:
+            for path in (directory / "config.json", directory):
+                os.utime(path, (long_ago, long_ago))
 
     smollm2._remove_abandoned_conversions(tmp_path)
 
-    assert not dead.exists()
+    assert not abandoned.exists()
+    assert fresh.exists()
     assert live.exists()
     assert done.exists()
+
+
+def test_the_conversion_key_follows_the_converters_versions(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import importlib.metadata
+
+    from s3kv.testing import smollm2
+
+    monkeypatch.setattr(smollm2, "_content_key", lambda path: "model")
+    before = smollm2._conversion_key(Path("m.gguf"))
+    real = importlib.metadata.version
+
+    def other_transformers(name: str) -> str:
+        return "4.46.0" if name == "transformers" else real(name)
+
+    monkeypatch.setattr(importlib.metadata, "version", other_transformers)
+    assert smollm2._conversion_key(Path("m.gguf")) != before

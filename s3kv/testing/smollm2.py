@@ -176,7 +176,7 @@ def _converted_checkpoint(path: pathlib.Path) -> pathlib.Path:
     vocabulary) takes ~25 s on two cores; loading the converted checkpoint takes ~1 s. The
     weights are exactly the GGUF's dequantized values, so results do not change.
     """
-    target = _cache_dir() / f"smollm2-hf-{_content_key(path)}"
+    target = _cache_dir() / f"smollm2-hf-{_conversion_key(path)}"
     if (target / "config.json").is_file():
         return target
     _remove_abandoned_conversions(target.parent)
@@ -244,15 +244,43 @@ def _content_key(path: pathlib.Path) -> str:
     return hashlib.sha256(f"{recorded}:{path.stat().st_size}".encode()).hexdigest()[:12]
 
 
+def _conversion_key(path: pathlib.Path) -> str:
+    """The GGUF's content and the versions of what writes the conversion: a config.json or
+    tokenizer.json written by one transformers/tokenizers may read differently in another
+    (transformers 5 keeps ``rope_theta`` under ``rope_parameters``, where 4.x does not look)."""
+    import importlib.metadata
+
+    versions = []
+    for name in ("transformers", "tokenizers", "safetensors"):
+        try:
+            versions.append(importlib.metadata.version(name))
+        except importlib.metadata.PackageNotFoundError:
+            versions.append("-")
+    stamp = f"{_content_key(path)}:{':'.join(versions)}"
+    return hashlib.sha256(stamp.encode()).hexdigest()[:12]
+
+
+#: Age after which a ``*.<pid>.tmp`` conversion whose pid is not alive here is removed: a
+#: conversion takes ~25 s, and a writer in another pid namespace (a container sharing the
+#: cache) looks dead from here.
+ABANDONED_AFTER_S: Final = 3600.0
+
+
 def _remove_abandoned_conversions(cache: pathlib.Path) -> None:
-    """Remove ``*.<pid>.tmp`` conversion directories whose process is gone (killed mid-way)."""
+    """Remove ``*.<pid>.tmp`` conversion directories whose process is gone (killed mid-way)
+    and which have not changed for :data:`ABANDONED_AFTER_S`."""
     import shutil
+    import time
 
     from s3kv.testing._procutil import alive
 
     for tmp in cache.glob("smollm2-hf-*.tmp"):
         pid = tmp.suffixes[-2].lstrip(".") if len(tmp.suffixes) >= 2 else ""
-        if pid.isdigit() and not alive(int(pid)):
+        try:
+            idle = time.time() - max(p.stat().st_mtime for p in (tmp, *tmp.iterdir()))
+        except OSError:
+            continue  # NOTE: renamed or removed meanwhile: not abandoned
+        if pid.isdigit() and not alive(int(pid)) and idle > ABANDONED_AFTER_S:
             shutil.rmtree(tmp, ignore_errors=True)
 
 
