@@ -50,6 +50,28 @@ MOTO_SECRET_KEY = "testing-secret"
 _SEAWEED_FIXTURES = {"seaweedfs", "seaweed_backend"}
 
 
+def _free_gib() -> float:
+    import shutil
+    import tempfile
+
+    return shutil.disk_usage(tempfile.gettempdir()).free / (1 << 30)
+
+
+_FREE_AT_START = _free_gib()
+
+
+def pytest_terminal_summary(terminalreporter: Any) -> None:
+    """Free disk where the tests write, before and after (shown under ``-q`` too): the
+    session's S3 server turns read-only below ``MIN_FREE_SPACE_MB``, and a run on a disk
+    that filled once failed 136 tests in 47 minutes, each on a timeout."""
+    import tempfile
+
+    terminalreporter.write_line(
+        f"s3kv: {_FREE_AT_START:.1f} GiB free under {tempfile.gettempdir()} at the start, "
+        f"{_free_gib():.1f} GiB at the end"
+    )
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         names = set(getattr(item, "fixturenames", ()))
