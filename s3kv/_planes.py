@@ -232,11 +232,17 @@ def encode_planes(data: U8, hasher: Any, out: U8 | None = None) -> Layout | None
     words = data.view("<u2")
     step = chunk_elements(words.size)
     payload = _payload_buffer(st, planes_room(data.size)[1], out)
-    sections: list[tuple[SectionCodec, int]] = []
-    at = 0
     # NOTE: bf16/fp16 low bytes carry ~8 bits of entropy. libzstd only rejects a plane
     # after coding it, so a sample of the first chunk decides for the whole object.
     probe = min(words.size, step, PROBE)
+    coded = st.encode_planes(data, payload, step, probe)
+    if coded is not None:
+        at, lengths = coded
+        hasher.update(data.data)
+        return _planes_layout(data.size, step, payload, at,
+                              [(SectionCodec.ZSTD, n) for n in lengths])  # fmt: skip
+    sections: list[tuple[SectionCodec, int]] = []
+    at = 0
     np.copyto(st.plane2[:probe], words[:probe], casting="unsafe")
     try_low = probe > 0 and st.compresses(st.plane2, probe)
     group = _group(step)
@@ -253,7 +259,15 @@ def encode_planes(data: U8, hasher: Any, out: U8 | None = None) -> Layout | None
             else:
                 at = _add_raw_frame(chunk, n, payload, at, sections)
         hasher.update(data[2 * first : 2 * (first + block.size)].data)
-    if at >= data.size:
+    return _planes_layout(data.size, step, payload, at, sections)
+
+
+def _planes_layout(
+    raw_len: int, step: int, payload: U8, at: int, sections: list[tuple[SectionCodec, int]]
+) -> Layout | None:
+    """The layout of a plane payload written up to ``at``, or None where it is not smaller
+    than the raw bytes."""
+    if at >= raw_len:
         return None  # NOTE: also bounds every object by codec.max_object_len
     body = payload[:at]
     checksum = xxhash.xxh3_64(body.data).digest()

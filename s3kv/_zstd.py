@@ -72,6 +72,36 @@ def _load_cffi() -> tuple[Any, Any] | None:
 _CFFI: Final = _load_cffi()
 
 
+def _load_kernel() -> tuple[Any, int] | None:
+    """The one-call plane encoder (``s3kv._planes_native``, built where a C compiler was at
+    install) and the address of the libzstd function it calls, or None where either is
+    missing or the kernel was built with other constants than this module's."""
+    if _CFFI is None:
+        return None
+    try:
+        module: Any = importlib.import_module("s3kv._planes_native")
+    except ImportError:
+        return None
+    expected = {
+        "MAX_ENTROPY_CHUNK": MAX_ENTROPY_CHUNK,
+        "ZSTD_BLOCK": _BLOCK,
+        "LITERAL_SLACK": _LITERAL_SLACK,
+        "FRAME_BOUND": FRAME_BOUND,
+        "RAW_FRAME_PREFIX": RAW_FRAME_PREFIX,
+        "BLOCK_HEADER": BLOCK_HEADER,
+    }
+    if any(getattr(module, name, None) != value for name, value in expected.items()):
+        return None  # NOTE: a stale build beside newer Python: the Python encoder is right
+    lib, ffi = _CFFI
+    function = ffi.addressof(lib, "ZSTD_compressSequencesAndLiterals")
+    return module, int(ffi.cast("uintptr_t", function))
+
+
+#: The plane kernel and its libzstd entry point; None selects the Python encoder (tests and
+#: benchmarks set it to None to compare the two).
+_KERNEL: tuple[Any, int] | None = _load_kernel()
+
+
 @functools.lru_cache(maxsize=64)  # NOTE: a few block sizes per process
 def raw_frame_header(n: int) -> U8:
     """The first :data:`RAW_FRAME_OVERHEAD` bytes of a standard zstd frame that stores the
@@ -159,6 +189,7 @@ class ThreadZstd:
         self._probe_dst: U8 = np.empty(FRAME_BOUND, np.uint8)
         self._compressors: dict[int, zstandard.ZstdCompressor] = {}
         self._decompressor = zstandard.ZstdDecompressor()
+        self._cctx_address: int | None = None
         if _CFFI is not None:
             lib, ffi = _CFFI
             self._seqs = ffi.new("ZSTD_Sequence[]", -(-MAX_ENTROPY_CHUNK // _BLOCK))
@@ -168,6 +199,7 @@ class ThreadZstd:
             lib.ZSTD_CCtx_setParameter(
                 self._cctx, lib.ZSTD_c_blockDelimiters, lib.ZSTD_sf_explicitBlockDelimiters
             )
+            self._cctx_address = int(ffi.cast("uintptr_t", self._cctx))
 
     def payload(self, size: int) -> U8:
         """Scratch for a payload of at most ``size`` bytes (every section stored raw, or in
@@ -241,6 +273,33 @@ class ThreadZstd:
         # raw. Errors are sizes above any capacity, so one comparison tells both apart
         # without a second call into libzstd (each call drops and retakes the GIL).
         return size if size < n else 0
+
+    def encode_planes(
+        self, words: U8, payload: U8, step: int, probe: int
+    ) -> tuple[int, tuple[int, ...]] | None:
+        """:func:`s3kv._planes.encode_planes`' frames in one call that drops the GIL once
+        (the native kernel, ``s3kv/_planes_native.c``), written from ``payload[0]``: the
+        payload's end and every section's length (each a frame); None where the kernel is
+        not available (encode in Python).
+
+        Args:
+            words: The block's bytes (little-endian 16-bit elements), C-contiguous.
+            payload: Destination with room for every section in a raw frame plus a frame
+                bound (:func:`s3kv._planes.planes_room`).
+            step: Elements per chunk, 1..MAX_ENTROPY_CHUNK.
+            probe: Elements whose low bytes decide whether low planes are coded (0: never).
+
+        Raises:
+            ValueError: ``payload`` lacks room or an argument is out of range (a caller bug).
+        """
+        kernel = _KERNEL
+        if kernel is None or self._cctx_address is None:
+            return None
+        module, compress = kernel
+        result: tuple[int, tuple[int, ...]] = module.encode_planes(
+            words, payload, 0, step, probe, self.plane, self.plane2, self._cctx_address, compress
+        )
+        return result
 
     def compresses(self, plane: U8, n: int) -> bool:
         """Whether :meth:`entropy_frame_into` would shrink ``plane[:n]``."""

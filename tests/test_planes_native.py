@@ -1,0 +1,152 @@
+"""The native plane kernel (s3kv/_planes_native.c) against the Python codec it stands in for.
+
+The kernel must write exactly the Python encoder's bytes: objects are read by every release,
+and the Python encoder is what runs where the kernel is not built.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import importlib
+import shutil
+import sys
+from typing import Any
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from s3kv import _planes, _zstd, codec
+
+KEY = "model/abc/0123"
+
+needs_kernel = pytest.mark.skipif(
+    _zstd._KERNEL is None, reason="the native kernel is not built (no C compiler at install)"
+)
+
+
+def block(n: int, kind: str, seed: int = 0) -> np.ndarray:
+    """``n`` 16-bit words whose planes compress as ``kind`` says."""
+    rng = np.random.default_rng(seed)
+    if kind == "bf16":  # a compressible high plane, an incompressible low one
+        values = rng.standard_normal(n).astype(np.float32)
+        return (values.view(np.uint32) >> 16).astype(np.uint16)
+    if kind == "fp16-small":  # both planes compress: the probe codes low planes
+        return (rng.standard_normal(n) * 1e-3).astype(np.float16).view(np.uint16)
+    if kind == "random":  # neither compresses: raw frames, then a RAW object
+        return rng.integers(0, 1 << 16, n, dtype=np.uint16)
+    if kind == "mixed":  # compressible first chunk (the probe), noise after it
+        out = rng.integers(0, 1 << 16, n, dtype=np.uint16)
+        out[: n // 3] = 0x3F80
+        return out
+    return np.full(n, 0x3F80, np.uint16)  # constant
+
+
+def encode_both(words: np.ndarray, monkeypatch: pytest.MonkeyPatch) -> tuple[bytes, bytes]:
+    """The object as the kernel writes it, and as the Python encoder does."""
+    shape = (words.size,)
+    native = bytes(codec.encode_view(words, key=KEY, dtype="bfloat16", shape=shape))
+    with monkeypatch.context() as patched:
+        patched.setattr(_zstd, "_KERNEL", None)
+        python = bytes(codec.encode_view(words, key=KEY, dtype="bfloat16", shape=shape))
+    return native, python
+
+
+def test_the_kernel_is_built_where_the_package_was_installed_with_a_compiler() -> None:
+    """A silent fallback would leave encoding threads serialized on the GIL: where this
+    interpreter could build the kernel (CPython 3.11+, a C compiler), it must be in use."""
+    if sys.version_info < (3, 11) or shutil.which("cc") is None or not _zstd.native():
+        pytest.skip("the kernel cannot be built here")
+    assert _zstd._KERNEL is not None
+
+
+@needs_kernel
+@pytest.mark.parametrize("kind", ["bf16", "fp16-small", "random", "mixed", "constant"])
+@pytest.mark.parametrize(
+    "n",
+    [1, 2, 3, 16_383, 16_384, 16_385, 131_072, 131_073, 262_144, 262_145, 737_280, 1_000_001],
+)
+def test_the_kernel_writes_the_python_encoders_bytes(
+    kind: str, n: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    words = block(n, kind)
+    native, python = encode_both(words, monkeypatch)
+    assert native == python
+    assert bytes(codec.decode(native, key=KEY)) == words.tobytes()
+
+
+@needs_kernel
+@settings(max_examples=60, deadline=None)
+@given(
+    n=st.integers(1, 600_000),
+    kind=st.sampled_from(["bf16", "fp16-small", "random", "mixed", "constant"]),
+    seed=st.integers(0, 2**16),
+)
+def test_the_kernel_writes_the_python_encoders_bytes_for_any_size(
+    n: int, kind: str, seed: int
+) -> None:
+    words = block(n, kind, seed)
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        native, python = encode_both(words, monkeypatch)
+    assert native == python
+
+
+@needs_kernel
+def test_threads_encoding_at_once_write_what_one_thread_writes() -> None:
+    """Each thread codes with its own libzstd context and scratch (the kernel keeps no
+    state): eight threads at once give the bytes of a serial run."""
+    blocks = [block(737_280, "bf16" if i % 3 else "fp16-small", seed=i) for i in range(16)]
+
+    def encode(words: np.ndarray) -> bytes:
+        return bytes(codec.encode_view(words, key=KEY, dtype="bfloat16", shape=(words.size,)))
+
+    serial = [encode(words) for words in blocks]
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        for _ in range(3):
+            assert list(pool.map(encode, blocks)) == serial
+
+
+@needs_kernel
+def test_a_caller_bug_raises_value_error_and_writes_nothing_past_the_payload() -> None:
+    kernel, compress = _zstd._KERNEL  # type: ignore[misc]
+    state = _zstd.local()
+    cctx = state._cctx_address
+    words = block(300_000, "random")
+    step = _planes.chunk_elements(words.size)
+    room = _planes.planes_room(words.nbytes)[1]
+    guard = np.full(room + 64, 0xAB, np.uint8)
+    with pytest.raises(ValueError, match="payload too small"):
+        kernel.encode_planes(words, guard[:1000], 0, step, 0, state.plane, state.plane2, cctx,
+                             compress)  # fmt: skip
+    assert (guard[1000:] == 0xAB).all()
+    bad: list[tuple[Any, ...]] = [
+        (words[:-1].view(np.uint8)[1:], guard, 0, step, 0),  # an odd byte count
+        (words, guard, 0, _zstd.MAX_ENTROPY_CHUNK + 1, 0),  # a plane larger than a frame
+        (words, guard, 0, step, step + 1),  # a probe past the first chunk
+        (words, guard, room + 65, step, 0),  # a start past the payload
+    ]
+    for args in bad:
+        with pytest.raises(ValueError, match="out of range"):
+            kernel.encode_planes(*args, state.plane, state.plane2, cctx, compress)
+    with pytest.raises(ValueError, match="null address"):
+        kernel.encode_planes(words, guard, 0, step, 0, state.plane, state.plane2, 0, compress)
+
+
+@needs_kernel
+def test_a_kernel_built_with_other_constants_is_not_used(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A kernel left from an older build beside newer Python must not write another layout."""
+    module = importlib.import_module("s3kv._planes_native")
+    assert _zstd._load_kernel() is not None
+    monkeypatch.setattr(module, "FRAME_BOUND", module.FRAME_BOUND + 1)
+    assert _zstd._load_kernel() is None
+
+
+def test_without_the_kernel_the_python_encoder_writes_the_object(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(_zstd, "_KERNEL", None)
+    words = block(737_280, "bf16")
+    blob = codec.encode(words, key=KEY, dtype="bfloat16", shape=(words.size,))
+    assert codec.read_header(blob).codec is codec.CodecId.PLANES_ZSTD
+    assert bytes(codec.decode(blob, key=KEY)) == words.tobytes()
