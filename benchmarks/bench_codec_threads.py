@@ -64,11 +64,11 @@ against 3.0-3.5x; 8 processes 5,178), staging 4,963-5,421 against 4,355-5,026; d
 ``--codec planes-ref`` times the codec cases with PLANES_REF (blocks recorded with the
 connector's 5-D shape); rows name the codec.
 
-``--python-encoder`` encodes planes with the Python encoder even where the native kernel
-(``s3kv/_planes_native.c``) is built; rows say which (``encoder``).
+``--no-native`` encodes planes with the Python encoder even where the native kernel
+(``s3kv/_planes_native.c``) is built; rows say which (``kernel``).
 
 Usage: ``python benchmarks/bench_codec_threads.py [--quick] [--threads 1,2,4,8,16]
-[--codec NAME] [--processes] [--python-encoder]``.
+[--codec NAME] [--processes] [--no-native]``.
 """
 
 from __future__ import annotations
@@ -186,12 +186,12 @@ def main() -> int:
         help="N processes instead of N threads: the ceiling without a shared GIL",
     )
     parser.add_argument(
-        "--python-encoder",
+        "--no-native",
         action="store_true",
-        help="encode planes in Python even where the native kernel is built (an A/B)",
+        help="encode and decode planes in Python even where the native kernel is built (an A/B)",
     )
     args = parser.parse_args()
-    if args.python_encoder:
+    if args.no_native:
         _zstd._KERNEL = None
     cores = os.cpu_count() or 1
     counts = (
@@ -293,7 +293,7 @@ def main() -> int:
         "cpu": cpu_model(),
         "block_MB": round(BLOCK_BYTES / 1e6, 3),
         "codec": args.codec,
-        "encoder": "native" if _zstd._KERNEL is not None else "python",
+        "kernel": "native" if _zstd._KERNEL is not None else "python",
     }
     run = run_processes if args.processes else run_threads
     who = resource.RUSAGE_CHILDREN if args.processes else resource.RUSAGE_SELF

@@ -420,9 +420,16 @@ def _decode_framed_planes(
         # NOTE: only the group's total is checked here, not each section's stored and raw
         # length: a forged table that moves bytes between sections yields bytes the raw
         # checksum judges, as it judges every decoded byte (the per-section path rejects it).
-        st.decompress_into(src[at : at + stored], planes[:size])
-        group = words[pos // 2 : (pos + size) // 2]
         step = sections[i].raw_len
+        frames = src[at : at + stored]
+        if st.decode_planes(frames, planes, target, pos, size, step):
+            hasher.update(target[pos : pos + size].data)
+            at += stored
+            pos += size
+            i = j
+            continue
+        st.decompress_into(frames, planes[:size])
+        group = words[pos // 2 : (pos + size) // 2]
         full = next((k for k in range(i, j, 2) if sections[k].raw_len != step), j) - i
         full //= 2
         pairs = planes[: 2 * full * step].reshape(full, 2, step)

@@ -1,18 +1,19 @@
 /*
- * One call that encodes a whole block as byte planes, with the GIL dropped throughout
- * (private; see s3kv/_planes.py, which owns the wire format and the Python encoder this
- * must match byte for byte).
+ * The byte-plane codec's per-block work in single calls that drop the GIL once (private;
+ * see s3kv/_planes.py, which owns the wire format and the Python code these must match
+ * byte for byte).
  *
  * Why it exists: the Python encoder makes about ten calls that drop and retake the GIL per
- * block (a numpy shift, a zstd frame per plane chunk, a strided copy per low plane). With
- * eight encoding threads every retake is a hand-off between threads, and the hand-offs,
- * not the coding, bound how far threads scale. Here the split into planes, the probe, the
- * Huffman-only frames and the raw frames are one call: the GIL is taken back once.
+ * block (a numpy shift, a zstd frame per plane chunk, a strided copy per low plane), the
+ * grouped decoder three (a libzstd call, two numpy merges). With eight codec threads every
+ * retake is a hand-off between threads, and the hand-offs, not the coding, bound how far
+ * threads scale. Here the encoder's split into planes, probe, Huffman-only frames and raw
+ * frames are one call, and so are the decoder's libzstd call and merge.
  *
- * libzstd is not linked: the caller passes the address of ZSTD_compressSequencesAndLiterals
- * from the libzstd that python-zstandard's cffi module carries, and a context it configured
- * (compression level 1, explicit block delimiters), so both encoders use the same library
- * and settings and write the same bytes.
+ * libzstd is not linked: the caller passes the addresses of ZSTD_compressSequencesAndLiterals
+ * and ZSTD_decompressDCtx in the libzstd that python-zstandard's cffi module carries, and
+ * contexts it configured (compression level 1, explicit block delimiters), so the kernel
+ * and the Python code use the same library and settings and write the same bytes.
  *
  * Built against the limited API of CPython 3.11 (Py_buffer is in it from 3.11), so one
  * build serves every later CPython; where it is not built, s3kv uses the Python encoder.
@@ -31,6 +32,9 @@ typedef struct {
     unsigned int matchLength;
     unsigned int rep;
 } Sequence;
+
+typedef size_t (*DecompressDCtx)(void *dctx, void *dst, size_t dst_capacity, const void *src,
+                                 size_t src_size);
 
 typedef size_t (*CompressSequencesAndLiterals)(void *cctx, void *dst, size_t dst_capacity,
                                                const Sequence *sequences, size_t count,
@@ -247,8 +251,68 @@ done:
     return result;
 }
 
+/* Interleave planes (high, low, high, low... chunk by chunk) into little-endian words. */
+static void merge(const uint8_t *planes, size_t elements, size_t step, uint8_t *out) {
+    for (size_t first = 0; first < elements; first += step) {
+        size_t count = elements - first < step ? elements - first : step;
+        const uint8_t *high = planes + 2 * first;
+        const uint8_t *low = high + count;
+        uint8_t *words = out + 2 * first;
+        for (size_t i = 0; i < count; i++) {
+            words[2 * i] = low[i];
+            words[2 * i + 1] = high[i];
+        }
+    }
+}
+
+PyDoc_STRVAR(decode_planes_doc,
+"decode_planes(frames, planes, target, at, size, step, dctx, decompress) -> int\n"
+"\n"
+"Decode ``frames`` (a group of chunks' high and low plane frames, back to back) into\n"
+"``planes[:size]`` in one libzstd call and, where that gives exactly ``size`` bytes, merge\n"
+"them into ``target[at:at + size]`` as little-endian 16-bit words, chunk by chunk of\n"
+"``step`` elements (the last may be shorter), as s3kv._planes' grouped decoder does.\n"
+"Returns what ZSTD_decompressDCtx returned (``size``, or an error code or another\n"
+"length, in which case ``target`` is untouched). ``dctx`` and ``decompress`` are the\n"
+"addresses of a libzstd decompression context and of its ZSTD_decompressDCtx. Raises\n"
+"ValueError where an argument is out of range (a caller bug).");
+
+static PyObject *decode_planes(PyObject *self, PyObject *args) {
+    (void)self;
+    Py_buffer frames, planes, target;
+    Py_ssize_t at, size, step;
+    PyObject *dctx_arg, *decompress_arg;
+    if (!PyArg_ParseTuple(args, "y*w*w*nnnOO", &frames, &planes, &target, &at, &size, &step,
+                          &dctx_arg, &decompress_arg))
+        return NULL;
+    PyObject *result = NULL;
+    void *dctx, *decompress;
+    if (get_address(dctx_arg, &dctx, "dctx")
+        || get_address(decompress_arg, &decompress, "decompress"))
+        goto done;
+    if (size < 0 || size % 2 || step <= 0 || at < 0 || size > planes.len
+        || at > target.len - size) {
+        PyErr_SetString(PyExc_ValueError, "decode_planes: arguments out of range (a caller bug)");
+        goto done;
+    }
+    size_t decoded;
+    Py_BEGIN_ALLOW_THREADS
+    decoded = ((DecompressDCtx)decompress)(dctx, planes.buf, (size_t)size, frames.buf,
+                                           (size_t)frames.len);
+    if (decoded == (size_t)size)
+        merge(planes.buf, (size_t)size / 2, (size_t)step, (uint8_t *)target.buf + at);
+    Py_END_ALLOW_THREADS
+    result = PyLong_FromSize_t(decoded);
+done:
+    PyBuffer_Release(&frames);
+    PyBuffer_Release(&planes);
+    PyBuffer_Release(&target);
+    return result;
+}
+
 static PyMethodDef methods[] = {
     {"encode_planes", encode_planes, METH_VARARGS, encode_planes_doc},
+    {"decode_planes", decode_planes, METH_VARARGS, decode_planes_doc},
     {NULL, NULL, 0, NULL},
 };
 
@@ -272,7 +336,7 @@ static PyModuleDef_Slot slots[] = {
 static struct PyModuleDef module = {
     PyModuleDef_HEAD_INIT,
     "s3kv._planes_native",
-    "One-call byte-plane encoder (private; see s3kv._planes).",
+    "One-call byte-plane encoder and grouped decoder (private; see s3kv._planes).",
     0,
     methods,
     slots,

@@ -21,7 +21,7 @@ import functools
 import importlib
 import threading
 from types import ModuleType
-from typing import Any, Final
+from typing import Any, Final, NamedTuple, NoReturn
 
 import numpy as np
 import numpy.typing as npt
@@ -72,10 +72,18 @@ def _load_cffi() -> tuple[Any, Any] | None:
 _CFFI: Final = _load_cffi()
 
 
-def _load_kernel() -> tuple[Any, int] | None:
-    """The one-call plane encoder (``s3kv._planes_native``, built where a C compiler was at
-    install) and the address of the libzstd function it calls, or None where either is
-    missing or the kernel was built with other constants than this module's."""
+class _Kernel(NamedTuple):
+    """The native plane kernel and the addresses of the libzstd functions it calls."""
+
+    module: Any
+    compress: int
+    decompress: int
+
+
+def _load_kernel() -> _Kernel | None:
+    """The native plane kernel (``s3kv._planes_native``, built where a C compiler was at
+    install), or None where it or libzstd's own API is missing, or the kernel was built
+    with other constants than this module's."""
     if _CFFI is None:
         return None
     try:
@@ -93,13 +101,18 @@ def _load_kernel() -> tuple[Any, int] | None:
     if any(getattr(module, name, None) != value for name, value in expected.items()):
         return None  # NOTE: a stale build beside newer Python: the Python encoder is right
     lib, ffi = _CFFI
-    function = ffi.addressof(lib, "ZSTD_compressSequencesAndLiterals")
-    return module, int(ffi.cast("uintptr_t", function))
+
+    def address(name: str) -> int:
+        return int(ffi.cast("uintptr_t", ffi.addressof(lib, name)))
+
+    return _Kernel(
+        module, address("ZSTD_compressSequencesAndLiterals"), address("ZSTD_decompressDCtx")
+    )
 
 
-#: The plane kernel and its libzstd entry point; None selects the Python encoder (tests and
-#: benchmarks set it to None to compare the two).
-_KERNEL: tuple[Any, int] | None = _load_kernel()
+#: The native plane kernel; None selects the Python code (tests and benchmarks set it to
+#: None to compare the two).
+_KERNEL: _Kernel | None = _load_kernel()
 
 
 @functools.lru_cache(maxsize=64)  # NOTE: a few block sizes per process
@@ -189,7 +202,8 @@ class ThreadZstd:
         self._probe_dst: U8 = np.empty(FRAME_BOUND, np.uint8)
         self._compressors: dict[int, zstandard.ZstdCompressor] = {}
         self._decompressor = zstandard.ZstdDecompressor()
-        self._cctx_address: int | None = None
+        #: Addresses of the libzstd contexts, for the native kernel: (compress, decompress).
+        self._addresses: tuple[int, int] | None = None
         if _CFFI is not None:
             lib, ffi = _CFFI
             self._seqs = ffi.new("ZSTD_Sequence[]", -(-MAX_ENTROPY_CHUNK // _BLOCK))
@@ -199,7 +213,10 @@ class ThreadZstd:
             lib.ZSTD_CCtx_setParameter(
                 self._cctx, lib.ZSTD_c_blockDelimiters, lib.ZSTD_sf_explicitBlockDelimiters
             )
-            self._cctx_address = int(ffi.cast("uintptr_t", self._cctx))
+            self._addresses = (
+                int(ffi.cast("uintptr_t", self._cctx)),
+                int(ffi.cast("uintptr_t", self._dctx)),
+            )
 
     def payload(self, size: int) -> U8:
         """Scratch for a payload of at most ``size`` bytes (every section stored raw, or in
@@ -293,13 +310,46 @@ class ThreadZstd:
             ValueError: ``payload`` lacks room or an argument is out of range (a caller bug).
         """
         kernel = _KERNEL
-        if kernel is None or self._cctx_address is None:
+        if kernel is None or self._addresses is None:
             return None
-        module, compress = kernel
-        result: tuple[int, tuple[int, ...]] = module.encode_planes(
-            words, payload, 0, step, probe, self.plane, self.plane2, self._cctx_address, compress
-        )
+        result: tuple[int, tuple[int, ...]] = kernel.module.encode_planes(
+            words, payload, 0, step, probe, self.plane, self.plane2, self._addresses[0],
+            kernel.compress,
+        )  # fmt: skip
         return result
+
+    def decode_planes(
+        self, frames: U8, planes: U8, target: U8, at: int, size: int, step: int
+    ) -> bool:
+        """Decode a group of chunks' plane frames (high, low, high, low..., back to back) in
+        ``frames`` into ``planes[:size]`` and merge them into ``target[at:at + size]`` as
+        little-endian 16-bit words, chunk by chunk of ``step`` elements (the last may be
+        shorter), in one call that drops the GIL once (the native kernel); False where the
+        kernel is not available (the caller decodes and merges in Python).
+
+        Raises:
+            FrameError: Corrupt frames, or their decoded size differs from ``size``
+                (``target`` is then untouched).
+            ValueError: An argument is out of range (a caller bug).
+        """
+        kernel = _KERNEL
+        if kernel is None or self._addresses is None:
+            return False
+        decoded: int = kernel.module.decode_planes(
+            frames, planes, target, at, size, step, self._addresses[1], kernel.decompress
+        )
+        if decoded != size:
+            self._raise_frame_error(decoded, size)
+        return True
+
+    @staticmethod
+    def _raise_frame_error(result: int, expected: int) -> NoReturn:
+        """Raise what ZSTD_decompressDCtx's ``result`` (not ``expected``) means."""
+        assert _CFFI is not None
+        lib, ffi = _CFFI
+        if lib.ZSTD_isError(result):
+            raise FrameError(ffi.string(lib.ZSTD_getErrorName(result)).decode())
+        raise FrameError(f"frame decodes to {result} bytes, expected {expected}")
 
     def compresses(self, plane: U8, n: int) -> bool:
         """Whether :meth:`entropy_frame_into` would shrink ``plane[:n]``."""
@@ -327,9 +377,7 @@ class ThreadZstd:
             size = lib.ZSTD_decompressDCtx(self._dctx, out, len(dst), src, len(src))
             if size == len(dst):
                 return  # NOTE: an error code is never a valid length: no ZSTD_isError call
-            if lib.ZSTD_isError(size):
-                raise FrameError(ffi.string(lib.ZSTD_getErrorName(size)).decode())
-            raise FrameError(f"frame decodes to {size} bytes, expected {len(dst)}")
+            self._raise_frame_error(size, len(dst))
         try:
             # NOTE: python-zstandard sizes its output from the frame header when it has one;
             # check it first so that a lying header cannot make it allocate more.

@@ -109,9 +109,11 @@ def test_threads_encoding_at_once_write_what_one_thread_writes() -> None:
 
 @needs_kernel
 def test_a_caller_bug_raises_value_error_and_writes_nothing_past_the_payload() -> None:
-    kernel, compress = _zstd._KERNEL  # type: ignore[misc]
+    assert _zstd._KERNEL is not None
+    kernel, compress = _zstd._KERNEL.module, _zstd._KERNEL.compress
     state = _zstd.local()
-    cctx = state._cctx_address
+    assert state._addresses is not None
+    cctx = state._addresses[0]
     words = block(300_000, "random")
     step = _planes.chunk_elements(words.size)
     room = _planes.planes_room(words.nbytes)[1]
@@ -150,3 +152,84 @@ def test_without_the_kernel_the_python_encoder_writes_the_object(
     blob = codec.encode(words, key=KEY, dtype="bfloat16", shape=(words.size,))
     assert codec.read_header(blob).codec is codec.CodecId.PLANES_ZSTD
     assert bytes(codec.decode(blob, key=KEY)) == words.tobytes()
+
+
+def decode_both(blob: bytes, monkeypatch: pytest.MonkeyPatch) -> tuple[bytes, bytes]:
+    """The object decoded by the kernel, and by the Python decoder."""
+    native = bytes(codec.decode(blob, key=KEY))
+    with monkeypatch.context() as patched:
+        patched.setattr(_zstd, "_KERNEL", None)
+        python = bytes(codec.decode(blob, key=KEY))
+    return native, python
+
+
+@needs_kernel
+@settings(max_examples=60, deadline=None)
+@given(
+    n=st.integers(1, 1_400_000),
+    kind=st.sampled_from(["bf16", "fp16-small", "mixed", "constant"]),
+    seed=st.integers(0, 2**16),
+)
+def test_the_kernel_decodes_what_the_python_decoder_decodes(n: int, kind: str, seed: int) -> None:
+    """Sizes up to two groups of chunks, with a short last chunk or none."""
+    words = block(n, kind, seed)
+    blob = codec.encode(words, key=KEY, dtype="bfloat16", shape=(n,))
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        native, python = decode_both(blob, monkeypatch)
+    assert native == python == words.tobytes()
+
+
+def frames_of(words: np.ndarray) -> tuple[np.ndarray, int]:
+    """A one-group object's plane frames, back to back, and its chunk's elements."""
+    blob = codec.encode(words, key=KEY, dtype="bfloat16", shape=(words.size,))
+    header = codec.read_header(blob)
+    assert header.codec is codec.CodecId.PLANES_ZSTD
+    return np.frombuffer(blob, np.uint8)[header.header_len :], header.chunk_len // 2
+
+
+@needs_kernel
+def test_corrupt_frames_raise_a_frame_error_and_leave_the_target_untouched() -> None:
+    words = block(300_001, "bf16")
+    frames, step = frames_of(words)
+    state = _zstd.local()
+    size = words.nbytes
+    target = np.full(size + 16, 0xCD, np.uint8)
+    assert state.decode_planes(frames, state.plane, target, 8, size, step)
+    assert target[8 : 8 + size].tobytes() == words.tobytes()
+    assert (target[:8] == 0xCD).all() and (target[8 + size :] == 0xCD).all()
+    broken = frames.copy()
+    broken[0] ^= 0xFF  # the first frame's magic
+    target[:] = 0xCD
+    cases = [
+        (broken, size, "nknown frame"),
+        (frames[:-1], size, "."),  # the last frame cut short
+        (frames, size - 2, "too small"),  # the frames hold a word more than asked for
+        (frames, size + 2, "decodes to 600002 bytes, expected 600004"),
+    ]
+    for bad, asked, expected in cases:
+        with pytest.raises(_zstd.FrameError, match=expected):
+            state.decode_planes(bad, state.plane, target, 8, asked, step)
+        assert (target == 0xCD).all()
+
+
+@needs_kernel
+def test_a_decode_caller_bug_raises_value_error() -> None:
+    words = block(1000, "bf16")
+    frames, step = frames_of(words)
+    state = _zstd.local()
+    target = np.empty(words.nbytes, np.uint8)
+    for at, size, chunk in ((1, words.nbytes, step), (0, words.nbytes - 1, step), (0, 2000, 0)):
+        with pytest.raises(ValueError, match="out of range"):
+            state.decode_planes(frames, state.plane, target, at, size, chunk)
+    with pytest.raises(ValueError, match="out of range"):  # planes scratch too small
+        state.decode_planes(frames, state.plane[:100], target, 0, words.nbytes, step)
+
+
+@needs_kernel
+def test_threads_decoding_at_once_each_get_their_blocks() -> None:
+    blocks = [block(737_280, "bf16", seed=i) for i in range(16)]
+    blobs = [codec.encode(w, key=KEY, dtype="bfloat16", shape=(w.size,)) for w in blocks]
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        for _ in range(3):
+            decoded = pool.map(lambda blob: bytes(codec.decode(blob, key=KEY)), blobs)
+            assert list(decoded) == [w.tobytes() for w in blocks]
