@@ -209,8 +209,10 @@ def test_a_corrupt_object_is_a_counted_miss_and_quarantined(
     assert reader.wait_staged(ids[:2], timeout=20) == 2
     # NOTE: the fourth block may still be in flight when the third has failed.
     assert wait_until(
-        lambda: (reader.stats().get("prefetch_failed", 0), reader.stats().get("prefetch_staged"))
-        == (1, 3)
+        lambda: (
+            (reader.stats().get("prefetch_failed", 0), reader.stats().get("prefetch_staged"))
+            == (1, 3)
+        )
     )
     stats = reader.stats()
     assert sum(v for k, v in stats.items() if k.startswith("corrupt_objects")) == 1

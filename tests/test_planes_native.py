@@ -196,7 +196,8 @@ def test_corrupt_frames_raise_a_frame_error_and_leave_the_target_untouched() -> 
     target = np.full(size + 16, 0xCD, np.uint8)
     assert state.decode_planes(frames, state.plane, target, 8, size, step)
     assert target[8 : 8 + size].tobytes() == words.tobytes()
-    assert (target[:8] == 0xCD).all() and (target[8 + size :] == 0xCD).all()
+    assert (target[:8] == 0xCD).all()
+    assert (target[8 + size :] == 0xCD).all()
     broken = frames.copy()
     broken[0] ^= 0xFF  # the first frame's magic
     target[:] = 0xCD
