@@ -80,16 +80,16 @@ class _Kernel(NamedTuple):
     decompress: int
 
 
-def _load_kernel() -> _Kernel | None:
+def _load_kernel() -> tuple[_Kernel | None, str | None]:
     """The native plane kernel (``s3kv._planes_native``, built where a C compiler was at
-    install), or None where it or libzstd's own API is missing, or the kernel was built
-    with other constants than this module's."""
+    install) and None, or None and why it is not used: it or libzstd's own API is missing,
+    or it was built with other constants than this module's."""
     if _CFFI is None:
-        return None
+        return None, "zstandard's cffi backend is missing (the plane codec's slow fallback)"
     try:
         module: Any = importlib.import_module("s3kv._planes_native")
     except ImportError:
-        return None
+        return None, "s3kv._planes_native is not built (no C compiler, or CPython < 3.11)"
     expected = {
         "MAX_ENTROPY_CHUNK": MAX_ENTROPY_CHUNK,
         "ZSTD_BLOCK": _BLOCK,
@@ -99,20 +99,30 @@ def _load_kernel() -> _Kernel | None:
         "BLOCK_HEADER": BLOCK_HEADER,
     }
     if any(getattr(module, name, None) != value for name, value in expected.items()):
-        return None  # NOTE: a stale build beside newer Python: the Python encoder is right
+        # NOTE: a stale build beside newer Python: the Python codec is right
+        return None, f"{module.__file__} was built for another release of s3kv"
     lib, ffi = _CFFI
 
     def address(name: str) -> int:
         return int(ffi.cast("uintptr_t", ffi.addressof(lib, name)))
 
-    return _Kernel(
+    kernel = _Kernel(
         module, address("ZSTD_compressSequencesAndLiterals"), address("ZSTD_decompressDCtx")
     )
+    return kernel, None
 
 
-#: The native plane kernel; None selects the Python code (tests and benchmarks set it to
-#: None to compare the two).
-_KERNEL: _Kernel | None = _load_kernel()
+#: The native plane kernel, or None and why not; None selects the Python code (tests and
+#: benchmarks set ``_KERNEL`` to None to compare the two).
+_KERNEL, _NO_KERNEL = _load_kernel()
+
+
+def kernel_problem() -> str | None:
+    """Why the plane codec runs in Python here (its threads then share the GIL), or None
+    where the native kernel is in use."""
+    if _KERNEL is not None:
+        return None
+    return _NO_KERNEL or "the native plane kernel is switched off"
 
 
 @functools.lru_cache(maxsize=64)  # NOTE: a few block sizes per process

@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 
+from s3kv import _zstd
 from s3kv.config import S3KVConfig
 from s3kv.errors import AccessDeniedError
 from s3kv.ops.doctor import DoctorReport, run_doctor
@@ -272,3 +273,26 @@ def test_an_unknown_role_or_deadline_is_refused() -> None:
         run_doctor(environ={}, role="admin")
     with pytest.raises(ValueError, match="timeout"):
         run_doctor(environ={}, timeout=0)
+
+
+def test_the_codec_check_says_whether_the_native_kernel_runs(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A codec in Python makes I/O threads contend for the GIL: doctor warns, with the fix,
+    unless codec processes keep it off the engine's interpreter."""
+
+    def codec_check(**overrides: object) -> tuple[str, str, str | None]:
+        report = run_doctor(environ={}, overrides=overrides)  # NOTE: no bucket: no I/O
+        (check,) = [c for c in report.checks if c.name == "codec"]
+        return check.status, check.detail, check.remedy
+
+    if _zstd._KERNEL is not None:
+        assert codec_check() == ("ok", "native plane kernel", None)
+    monkeypatch.setattr(_zstd, "_KERNEL", None)
+    monkeypatch.setattr(_zstd, "_NO_KERNEL", "s3kv._planes_native is not built (no C compiler)")
+    status, detail, remedy = codec_check()
+    assert status == "warn"
+    assert "not built (no C compiler)" in detail
+    assert remedy is not None
+    assert "C compiler" in remedy
+    assert codec_check(codec_processes=2)[0] == "ok"

@@ -139,9 +139,12 @@ def test_a_caller_bug_raises_value_error_and_writes_nothing_past_the_payload() -
 def test_a_kernel_built_with_other_constants_is_not_used(monkeypatch: pytest.MonkeyPatch) -> None:
     """A kernel left from an older build beside newer Python must not write another layout."""
     module = importlib.import_module("s3kv._planes_native")
-    assert _zstd._load_kernel() is not None
+    assert _zstd._load_kernel() == (_zstd._KERNEL, None)
     monkeypatch.setattr(module, "FRAME_BOUND", module.FRAME_BOUND + 1)
-    assert _zstd._load_kernel() is None
+    kernel, why = _zstd._load_kernel()
+    assert kernel is None
+    assert why is not None
+    assert "built for another release" in why
 
 
 def test_without_the_kernel_the_python_encoder_writes_the_object(
