@@ -87,6 +87,15 @@ threads (2.8x, 1.2x and 1.3x the throughput; single-thread equal within noise).
   16.3-16.5; 8 processes 5,178), one thread within noise; staging at 8 threads 4,963-5,421
   against 4,355-5,026; decode alone 5,703-5,999 against 5,961-6,192 (the host's +-10%).
   The objects are read by every release: the decoders did not change.
+* Native kernel (2026-11-29): where ``s3kv/_planes_native.c`` is built, :func:`encode_planes`
+  is one call into it (split, probe, Huffman-only and raw frames, the same bytes as the loop
+  below) and :func:`_decode_framed_planes` one call per group (libzstd and the merge), through
+  the same libzstd contexts (:meth:`s3kv._zstd.ThreadZstd.encode_planes`, ``decode_planes``).
+  GIL-dropping calls per block: encode 10 -> 3, decode 5 -> 3 (with the checksums). H200
+  host, five rounds taking turns with this Python code
+  (``codec_threads-h200-host-2026-11-29-native-kernel.jsonl``): at 8 threads ``encode_view``
+  6,285-6,576 against 3,755-4,493 MB/s (8 processes: 6,176-6,344), decode 8,773-10,436
+  against 6,574-7,707, staging 8,069-8,758 against 5,342-6,423.
 """
 
 from __future__ import annotations
