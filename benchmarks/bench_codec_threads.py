@@ -62,10 +62,11 @@ against 3.0-3.5x; 8 processes 5,178), staging 4,963-5,421 against 4,355-5,026; d
 5,703-5,999 against 5,961-6,192, within the host's spread (its decoders did not change).
 
 Native kernel (``s3kv/_planes_native.c``,
-``codec_threads-h200-host-2026-11-29-native-kernel.jsonl``, five rounds, the kernel and ``--no-native`` taking turns): at 8 threads ``encode_view``
-6,285-6,576 against 3,755-4,493 MB/s (8 processes 6,176-6,344; context switches per block
-1.2-1.4 against 10.1-10.9), decode 8,773-10,436 against 6,574-7,707, staging 8,069-8,758
-against 5,342-6,423 (5.8-7.3x one thread's).
+``codec_threads-h200-host-2026-11-29-native-kernel.jsonl``, five rounds, the kernel and
+``--no-native`` taking turns): at 8 threads ``encode_view`` 6,285-6,576 against 3,755-4,493
+MB/s (8 processes 6,176-6,344; context switches per block 1.2-1.4 against 10.1-10.9), decode
+8,773-10,436 against 6,574-7,707, staging 8,069-8,758 against 5,342-6,423 (5.8-7.3x one
+thread's).
 
 ``--codec planes-ref`` times the codec cases with PLANES_REF (blocks recorded with the
 connector's 5-D shape); rows name the codec.
