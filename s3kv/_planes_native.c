@@ -181,7 +181,8 @@ PyDoc_STRVAR(encode_planes_doc,
 "Little-endian 16-bit elements (``words``, bytes) as high/low byte-plane frames written\n"
 "into ``payload`` from ``at``, chunk by chunk of ``step`` elements, exactly as\n"
 "s3kv._planes.encode_planes writes them; the first ``probe`` elements' low bytes decide\n"
-"whether low planes are Huffman-coded (0: never). ``high`` and ``low`` are scratch of\n"
+"whether low planes are Huffman-coded (0: never; at most ``step`` and the elements).\n"
+"``high`` and ``low`` are scratch of\n"
 "``step`` bytes plus 8; ``cctx`` and ``compress`` are the addresses of a libzstd context\n"
 "(level 1, explicit block delimiters) and of its ZSTD_compressSequencesAndLiterals.\n"
 "Returns the payload's new end and every section's length. Raises ValueError where\n"
@@ -202,7 +203,7 @@ static PyObject *encode_planes(PyObject *self, PyObject *args) {
         goto done;
     size_t n = (size_t)words.len / 2;
     if (words.len % 2 || step <= 0 || step > MAX_ENTROPY_CHUNK || probe < 0 || probe > step
-        || at < 0
+        || (size_t)probe > n || at < 0
         || at > payload.len || high.len < step + LITERAL_SLACK
         || low.len < step + LITERAL_SLACK) {
         PyErr_SetString(PyExc_ValueError, "encode_planes: arguments out of range (a caller bug)");

@@ -126,6 +126,7 @@ def test_a_caller_bug_raises_value_error_and_writes_nothing_past_the_payload() -
         (words[:-1].view(np.uint8)[1:], guard, 0, step, 0),  # an odd byte count
         (words, guard, 0, _zstd.MAX_ENTROPY_CHUNK + 1, 0),  # a plane larger than a frame
         (words, guard, 0, step, step + 1),  # a probe past the first chunk
+        (words[:1], guard, 0, step, 2),  # a probe past the last element
         (words, guard, room + 65, step, 0),  # a start past the payload
     ]
     for args in bad:
