@@ -857,12 +857,16 @@ def report(
          chunked_GBps=scatter.get("chunked_GBps", {}), **common)  # fmt: skip
     table = []
     for variant in job["load_groups"]:
-        chosen = [(w, r) for w, r in pairs if r.get("variant", 0) == variant]
+        # NOTE: only trials whose prefix the reader loaded measure a load: a trial it did not
+        # (not in its warm start) computed the whole prompt, a cold TTFT (counted in the row).
+        ran = [(w, r) for w, r in pairs if r.get("variant", 0) == variant]
+        chosen = [(w, r) for w, r in ran if r["connector_tokens"] == job["prefix_tokens"]]
         a = [w["conn"]["reuse"]["ttft_ms"] for w, _ in chosen]
         b = [r["ttft_ms"] for _, r in chosen]
         diffs = [y - x for x, y in zip(a, b, strict=True)]
         plain = [w["ref"]["reuse"]["ttft_ms"] for w, _ in chosen]
-        tag = {"load_group_bytes": variant or "default", "trials": len(chosen), **common}
+        tag = {"load_group_bytes": variant or "default", "trials": len(chosen),
+               "trials_not_loaded": len(ran) - len(chosen), **common}  # fmt: skip
         overhead = median(diffs)
         emit(out, "gpu.load_overhead_ms", overhead, "ms", target_ms=round(1.25 * floor + 2, 2),
              floor_ms=round(floor, 2), per_trial=[round(d, 2) for d in diffs],

@@ -354,6 +354,24 @@ def _save_prompt(kv: torch.Tensor) -> None:
     process_state().close_all()
 
 
+def test_a_warm_start_larger_than_the_prefetch_queue_stages_every_block(
+    bucket_env: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The store drops prefetches past max_prefetch_queue: a warm start planning more blocks
+    than that (6 GiB of 1 MiB blocks against the default 4,096) staged only the first ones,
+    and the prefixes past them missed. It now stages window by window."""
+    kv_a = pool()
+    for b in range(8):
+        kv_a[b] = float(b + 1)
+    _save_prompt(kv_a)
+    monkeypatch.setenv("TLLM_S3KV_MAX_PREFETCH_QUEUE", "2")  # 4 blocks planned, 2 at once
+    scheduler_b, _ = instance(pool())
+    assert scheduler_b.warm is not None
+    assert scheduler_b.warm.wait()
+    assert (scheduler_b.warm.planned, scheduler_b.warm.staged) == (4, 4)
+    assert scheduler_b.get_num_new_matched_tokens(Request(7, PROMPT), 0) == (16, False)
+
+
 def test_warm_start_is_awaited_without_wait_for_initialization(bucket_env: str) -> None:
     # Defect 7: the 1.2-era executor never calls wait_for_initialization, so the first
     # request after a redeploy would find nothing staged. Registration waits instead.
