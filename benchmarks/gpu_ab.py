@@ -846,7 +846,9 @@ def report(
         "engine_cpus": job.get("engine_cpus", ""), "codec_cpus": job.get("codec_cpus", "auto"),
         "bucket_dir": job.get("bucket_dir", ""), "cuda_graphs": job.get("cuda_graphs", False),
     }  # fmt: skip
-    loaded = [r["connector_tokens"] // TPB for r in read["trials"]]
+    # NOTE: the floor is for a load: trials that loaded nothing (see below) are left out.
+    loaded = [r["connector_tokens"] // TPB for r in read["trials"] if r["connector_tokens"]]
+    loaded = loaded or [0]
     load_bytes = statistics.median(loaded) * block_nbytes
     floor = load_bytes / (scatter["GBps"] * 1e6) if scatter else math.nan
     emit(out, "gpu.load_bytes", int(load_bytes), "bytes", blocks=statistics.median(loaded),
@@ -907,11 +909,11 @@ def report(
     # NOTE: a trial whose prefix the reader did not load (connector_tokens 0: not in its
     # warm start, e.g. crowded out by --cold-repeats on large blocks) computed the whole
     # prompt, whose bf16 rounding differs from a reused prefix's: per-trial figures say so.
-    hits = [r["connector_tokens"] for _, r in pairs]
+    tokens = [r["connector_tokens"] for _, r in pairs]
     emit(out, "gpu.identical_s3kv_vs_device_reuse", identical, "bool", trials=len(pairs),
          also_without_connector=all(w["ref"]["reuse"]["output"] == r["output"] for w, r in pairs),
-         per_trial=same, s3kv_tokens=hits,
-         identical_where_loaded=all(ok for ok, n in zip(same, hits, strict=True) if n),
+         per_trial=same, s3kv_tokens=tokens,
+         identical_where_loaded=all(ok for ok, n in zip(same, tokens, strict=True) if n),
          **common)  # fmt: skip
     cold_conn = [min(w["conn"]["cold_ttft_ms"]) for w, _ in pairs]
     cold_ref = [min(w["ref"]["cold_ttft_ms"]) for w, _ in pairs]

@@ -407,9 +407,9 @@ def _decode_framed_planes(
 ) -> None:
     """decode_planes where every section is a frame: per group of chunks (up to
     ``2 * PLANE_GROUP`` raw bytes, a whole 1.5 MB block), one libzstd call decodes the
-    group's frames back to back into ``st.plane`` (high, low, high, low...), then one
-    multiply and one or merge its full chunks (the object's last, shorter chunk takes two
-    more) and one call hashes them. Fewer calls that drop the GIL is what lets decoding
+    group's frames back to back into ``st.plane`` (high, low, high, low...) and
+    :func:`_merge_planes` merges them (both in one call where the native kernel is built),
+    then one call hashes them. Fewer calls that drop the GIL is what lets decoding
     threads scale (see the module docstring).
     """
     words = target.view("<u2")
@@ -429,34 +429,35 @@ def _decode_framed_planes(
         # NOTE: only the group's total is checked here, not each section's stored and raw
         # length: a forged table that moves bytes between sections yields bytes the raw
         # checksum judges, as it judges every decoded byte (the per-section path rejects it).
-        step = sections[i].raw_len
         frames = src[at : at + stored]
-        if st.decode_planes(frames, planes, target, pos, size, step):
-            hasher.update(target[pos : pos + size].data)
-            at += stored
-            pos += size
-            i = j
-            continue
-        st.decompress_into(frames, planes[:size])
-        group = words[pos // 2 : (pos + size) // 2]
-        full = next((k for k in range(i, j, 2) if sections[k].raw_len != step), j) - i
-        full //= 2
-        pairs = planes[: 2 * full * step].reshape(full, 2, step)
-        merged = group[: full * step].reshape(full, step)
-        np.multiply(pairs[:, 0], _HIGH, out=merged)
-        np.bitwise_or(merged, pairs[:, 1], out=merged)
-        done = full * step
-        for k in range(i + 2 * full, j, 2):  # NOTE: only the object's last chunk is shorter
-            n = sections[k].raw_len
-            tail = planes[2 * done : 2 * done + 2 * n]
-            part = group[done : done + n]
-            np.multiply(tail[:n], _HIGH, out=part)
-            np.bitwise_or(part, tail[n:], out=part)
-            done += n
+        if not st.decode_planes(frames, planes, target, pos, size, sections[i].raw_len):
+            st.decompress_into(frames, planes[:size])
+            lengths = [sections[k].raw_len for k in range(i, j, 2)]
+            _merge_planes(planes, words[pos // 2 : (pos + size) // 2], lengths)
         hasher.update(target[pos : pos + size].data)
         at += stored
         pos += size
         i = j
+
+
+def _merge_planes(planes: U8, group: Any, lengths: list[int]) -> None:
+    """Merge a group's decoded planes (high, low, high, low..., chunk by chunk of
+    ``lengths`` elements) into its 16-bit words ``group``: one multiply and one or for the
+    full chunks, two more for the object's last, shorter one (the native kernel's merge,
+    in numpy)."""
+    step = lengths[0]
+    full = next((k for k, n in enumerate(lengths) if n != step), len(lengths))
+    pairs = planes[: 2 * full * step].reshape(full, 2, step)
+    merged = group[: full * step].reshape(full, step)
+    np.multiply(pairs[:, 0], _HIGH, out=merged)
+    np.bitwise_or(merged, pairs[:, 1], out=merged)
+    done = full * step
+    for n in lengths[full:]:  # NOTE: only the object's last chunk is shorter
+        tail = planes[2 * done : 2 * done + 2 * n]
+        part = group[done : done + n]
+        np.multiply(tail[:n], _HIGH, out=part)
+        np.bitwise_or(part, tail[n:], out=part)
+        done += n
 
 
 class RefGeometry(NamedTuple):

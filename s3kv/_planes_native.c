@@ -42,7 +42,7 @@ typedef size_t (*CompressSequencesAndLiterals)(void *cctx, void *dst, size_t dst
                                                size_t literal_capacity,
                                                size_t decompressed_size);
 
-/* Values mirrored from s3kv/_zstd.py: checked against it by s3kv._planes at import. */
+/* Values mirrored from s3kv/_zstd.py, which checks them against its own at import. */
 #define MAX_ENTROPY_CHUNK (256 * 1024)
 #define ZSTD_BLOCK (128 * 1024)
 #define LITERAL_SLACK 8
@@ -88,7 +88,8 @@ static size_t entropy_frame(Writer *w, const uint8_t *plane, size_t n, uint8_t *
     return size < n ? size : 0;
 }
 
-/* plane[:n] as a raw frame of equal zstd blocks at the writer's end (_planes._add_raw_frame). */
+/* plane[:n] as a raw frame of equal zstd blocks at the writer's end (as _planes._add_raw_frame
+ * writes it). */
 static int raw_frame(Writer *w, const uint8_t *plane, size_t n) {
     size_t blocks = (n + ZSTD_BLOCK - 1) / ZSTD_BLOCK;
     size_t size = (n + blocks - 1) / blocks;
@@ -122,6 +123,13 @@ static int add_section(Writer *w, size_t length) {
     return OK;
 }
 
+/* plane[:n] as a raw frame section (_planes._add_raw_frame). */
+static int add_raw_frame(Writer *w, const uint8_t *plane, size_t n) {
+    size_t start = w->at;
+    int status = raw_frame(w, plane, n);
+    return status ? status : add_section(w, w->at - start);
+}
+
 /* A Huffman frame of plane[:n], or a raw one where that is not smaller (_planes._add_plane). */
 static int add_plane(Writer *w, const uint8_t *plane, size_t n) {
     if (w->at + FRAME_BOUND > w->capacity) return NO_ROOM;
@@ -130,9 +138,7 @@ static int add_plane(Writer *w, const uint8_t *plane, size_t n) {
         w->at += size;
         return add_section(w, size);
     }
-    size_t start = w->at;
-    int status = raw_frame(w, plane, n);
-    return status ? status : add_section(w, w->at - start);
+    return add_raw_frame(w, plane, n);
 }
 
 /* _planes.encode_planes' loop over chunks of `step` elements, without the hashing. */
@@ -153,14 +159,7 @@ static int encode(Writer *w, const uint8_t *words, size_t n, size_t step, size_t
             high[i] = chunk[2 * i + 1];
         }
         int status = add_plane(w, high, count);
-        if (status) return status;
-        if (try_low) {
-            status = add_plane(w, low, count);
-        } else {
-            size_t start = w->at;
-            status = raw_frame(w, low, count);
-            if (!status) status = add_section(w, w->at - start);
-        }
+        if (!status) status = try_low ? add_plane(w, low, count) : add_raw_frame(w, low, count);
         if (status) return status;
     }
     return OK;
