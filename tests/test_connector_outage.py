@@ -96,10 +96,15 @@ def test_outage_claims_nothing_then_recovers(
             server = LocalS3.start(tmp_path / "s3", port=server.port, bucket="outage",
                                    die_with_parent=True)  # fmt: skip
             time.sleep(COOLDOWN_S)  # NOTE: the breaker's cooldown is wall-clock by design
-            # The first request after the cooldown probes (its saves go through) and closes it.
+            # The first request after the cooldown finds the breaker half-open: the store's
+            # background HEAD probe or the request's own save is the one probe let through,
+            # and its success closes it. NOTE: whichever it is runs on the I/O pool (a save
+            # refused because the HEAD probe was first ends at once): wait for it, bounded.
             serve(executor, prompt(40, seed=100))
-            # The probe is a save on the writer pool: wait for it before reading the state.
             assert store.flush(timeout=30)
+            deadline = time.monotonic() + 30
+            while breaker.state is not BreakerState.CLOSED and time.monotonic() < deadline:
+                time.sleep(0.05)
             assert breaker.state is BreakerState.CLOSED
             assert serve(executor, systems[2] + ask[3]) == (expected[2], 48)
     finally:
