@@ -86,6 +86,7 @@ import multiprocessing
 import os
 import platform
 import resource
+import statistics
 import threading
 import time
 from collections.abc import Callable
@@ -196,6 +197,14 @@ def main() -> int:
         "--no-native",
         action="store_true",
         help="encode and decode planes in Python even where the native kernel is built (an A/B)",
+    )
+    parser.add_argument(
+        "--paired",
+        type=int,
+        default=0,
+        metavar="K",
+        help="also time one thread and N threads back to back K times and report the median "
+        "of the K ratios (the host's drift between the two falls out of each pair)",
     )
     args = parser.parse_args()
     if args.no_native:
@@ -341,7 +350,37 @@ def main() -> int:
                 target=round(0.8 * threads, 2),
                 **common,
             )
+            if args.paired and threads > 1:
+                ratios = paired_ratios(run, threads, per_thread, work, args.paired)
+                emit(
+                    f"{prefix}.{name}_scaling_paired",
+                    round(statistics.median(ratios), 2),
+                    "x",
+                    threads=threads,
+                    target=round(0.8 * threads, 2),
+                    pairs=[round(r, 2) for r in ratios],
+                    **common,
+                )
     return 0
+
+
+def paired_ratios(
+    run: Callable[[int, int, Callable[[int, int], object]], float],
+    threads: int,
+    per_thread: int,
+    work: Callable[[int, int], object],
+    pairs: int,
+) -> list[float]:
+    """MB/s at ``threads`` over MB/s at one, each pair timed back to back (one order, then the
+    other): on a shared VM one thread's figure drifts by tens of percent from minute to minute
+    (777-1,276 MB/s across rounds on one H200 host), so a ratio of figures taken apart says
+    more about the drift than about scaling."""
+    ratios = []
+    for k in range(pairs):
+        order = (1, threads) if k % 2 == 0 else (threads, 1)
+        seconds = {n: run(n, per_thread, work) / n for n in order}  # NOTE: seconds per block-set
+        ratios.append(seconds[1] / seconds[threads])
+    return ratios
 
 
 if __name__ == "__main__":
