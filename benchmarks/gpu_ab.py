@@ -496,8 +496,12 @@ def writer(rank: int, world: int, job: dict[str, Any]) -> dict[str, Any]:
             settle(executor)
         profiled(job, "a", lambda: measured(conn, prefix + s2, job["new_tokens"], None))
     settle(conn)
+    metrics, _ = _connector_metrics()
     _close_connector()
-    return {"trials": rows, "device": _device_name(job["device"]), "attention_check": check}
+    return {
+        "trials": rows, "device": _device_name(job["device"]), "attention_check": check,
+        "metrics": metrics,
+    }  # fmt: skip
 
 
 def attention_check(shape: dict[str, Any], device: str) -> dict[str, float]:
@@ -583,8 +587,13 @@ def reader(rank: int, world: int, job: dict[str, Any]) -> dict[str, Any]:
     }  # fmt: skip
 
 
+def codec_processes_arg(text: str) -> int | str:
+    """``--codec-processes``: ``auto`` or a count (the setting checks its range)."""
+    return "auto" if text.strip().lower() == "auto" else int(text)
+
+
 def connector_settings(
-    bucket: str, name: str, staging: str, codec_processes: int
+    bucket: str, name: str, staging: str, codec_processes: int | str
 ) -> dict[str, str]:
     """The connector's settings (its environment) in the benchmarks: a ``file://`` bucket
     named ``name`` in the folder ``bucket``, ``staging`` bytes, ``codec_processes``."""
@@ -838,11 +847,13 @@ def report(
     pairs = list(zip(written["trials"], read["trials"], strict=True))
     block_nbytes = read["block_nbytes"]
     scatter = read["scatter"]
+    ran = [int(side["metrics"].get("codec_processes_alive", 0)) for side in (written, read)]
     common = {
         "shape": label, "device": written["device"], "layers": shape["layers"],
         "dtype": "bfloat16", "tokens_per_block": TPB,
         "prompt_tokens": job["prefix_tokens"] + SUFFIX, "prefix_tokens": job["prefix_tokens"],
         "codec_processes": job.get("codec_processes", 0),
+        "codec_processes_run": ran,
         "engine_cpus": job.get("engine_cpus", ""), "codec_cpus": job.get("codec_cpus", "auto"),
         "bucket_dir": job.get("bucket_dir", ""), "cuda_graphs": job.get("cuda_graphs", False),
     }  # fmt: skip
@@ -1003,8 +1014,9 @@ def main() -> int:
         "the trials' prefixes out of the reader's warm start: 3 for SmolLM2",
     )  # fmt: skip
     parser.add_argument(
-        "--codec-processes", type=int, default=0,
-        help="the codec_processes setting of both the writer and the reader",
+        "--codec-processes", type=codec_processes_arg, default="auto",
+        help="the codec_processes setting of both the writer and the reader: a count or auto "
+        "(the default; the rows' codec_processes_run says what it ran)",
     )  # fmt: skip
     parser.add_argument(
         "--engine-cpus",

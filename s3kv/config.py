@@ -420,11 +420,13 @@ class S3KVConfig:
     io_threads: int = _plain(
         8, "Threads doing GET/PUT + codec work (the one I/O pool), >= 1.", low=1
     )
-    codec_processes: int = _plain(
-        0,
-        "Processes doing block GET/PUT and codec work, 0..64; 0 does it in the I/O threads. "
-        "Off the engine's interpreter, they neither slow its forward loop nor share its GIL "
-        "(io_threads is then the total GET/PUT concurrency).",
+    codec_processes: int | Literal["auto"] = _plain(
+        "auto",
+        "Processes doing block GET/PUT and codec work, 0..64, or auto; 0 does it in the I/O "
+        "threads. Off the engine's interpreter, they neither slow its forward loop nor share "
+        "its GIL (io_threads is then the total GET/PUT concurrency). auto: the connector runs "
+        "up to 4 per GPU rank where the KV cache is on a GPU and the rank's share of the "
+        "CPUs holds 4 per process, else 0; everywhere else 0.",
         low=0,
         high=64,
     )
@@ -697,6 +699,7 @@ _ANNOTATION_KINDS = {
     "bool": "bool",
     "str": "str",
     "str | None": "optional-str",
+    "int | Literal['auto']": "int-or-auto",
 }
 _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("0", "false", "no", "off")
@@ -744,8 +747,10 @@ def _normalise(f: dataclasses.Field[Any], kind: str, value: Any) -> Any:
         return _duration_value(value, positive=meta["positive"])
     if kind == "optional-str" and (value is None or (isinstance(value, str) and not value.strip())):
         return None
-    if kind == "int":
-        value = _integer(value)
+    if kind == "int-or-auto" and isinstance(value, str) and value.strip().lower() == "auto":
+        return "auto"
+    if kind in ("int", "int-or-auto"):
+        value = _integer(value, auto=kind == "int-or-auto")
         low, high = meta["low"], meta["high"]
         if (low is not None and value < low) or (high is not None and value > high):
             bound = f"in {low}..{high}" if high is not None else f">= {low}"
@@ -776,11 +781,12 @@ def _normalise(f: dataclasses.Field[Any], kind: str, value: Any) -> Any:
     return value
 
 
-def _integer(value: Any) -> int:
+def _integer(value: Any, *, auto: bool = False) -> int:
+    expected = "an integer or auto" if auto else "an integer"
     if isinstance(value, str):
-        value = _parse(int, value, "an integer")
+        value = _parse(int, value, expected)
     if isinstance(value, bool) or not isinstance(value, int):
-        raise _RuleError(f"expected an integer, got {_show(value)}")
+        raise _RuleError(f"expected {expected}, got {_show(value)}")
     if not -_MAX_INT <= value <= _MAX_INT:
         raise _RuleError(f"must be at most {_MAX_INT} in size, got {_show(value)}")
     return value

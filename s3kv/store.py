@@ -340,11 +340,8 @@ class KVStore:
             config.auth_keys, accept_unsigned=config.auth_accept_unsigned, region=config.region
         )
         # NOTE: before anything opens: a CPU list this host lacks is a bad setting.
-        placement = (
-            choose_cpus(config.codec_cpus, config.codec_processes)
-            if config.codec_processes
-            else None
-        )
+        processes = _codec_processes(config)
+        placement = choose_cpus(config.codec_cpus, processes) if processes else None
         metrics = Metrics()
         breaker = CircuitBreaker(config.breaker_failures, config.breaker_cooldown)
         access = BucketAccess(config, backend)
@@ -1610,7 +1607,8 @@ def _start_codec_processes(
 ) -> tuple[CodecProcesses | None, SlabArena | None]:
     """The codec processes ``codec_processes`` asks for, and a staging arena when the caller
     gave no allocator; ``(None, None)`` with one WARNING when they cannot work here."""
-    if not config.codec_processes:
+    processes = _codec_processes(config)
+    if not processes:
         return None, None
     if injected or block_nbytes is None:
         # NOTE: the processes open the bucket from the settings, and fill fixed-size slots.
@@ -1623,7 +1621,6 @@ def _start_codec_processes(
     try:
         if allocator is None:
             arena = SlabArena.create(block_nbytes, config.staging_bytes, tag="staging-")
-        processes = config.codec_processes
         offload = CodecProcesses(
             config,
             processes=processes,
@@ -1642,6 +1639,13 @@ def _start_codec_processes(
     if placement is not None:
         log_placement(placement, processes)
     return offload, arena
+
+
+def _codec_processes(config: S3KVConfig) -> int:
+    """The codec processes a store of ``config`` runs: ``auto`` is the connector's to decide
+    (:mod:`s3kv.offload.sizing`, for a KV cache on a GPU); a store opened elsewhere with it
+    runs none."""
+    return config.codec_processes if isinstance(config.codec_processes, int) else 0
 
 
 def _discard_manifest(manifest: ManifestLike) -> None:

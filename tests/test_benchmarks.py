@@ -93,3 +93,6 @@ def test_the_gpu_ab_runs_on_the_cpu_and_every_trial_loads_its_prefix(tmp_path: P
     assert identical["value"] is True
     assert identical["s3kv_tokens"] == [64, 64, 64]  # 2 blocks of 32 tokens, every trial
     assert by_metric["gpu.load_overhead_ms"]["trials_not_loaded"] == 0
+    # codec_processes defaults to auto, which runs none where the KV cache is not on a GPU
+    assert by_metric["gpu.load_overhead_ms"]["codec_processes"] == "auto"
+    assert by_metric["gpu.load_overhead_ms"]["codec_processes_run"] == [0, 0]

@@ -529,3 +529,42 @@ def test_a_load_whose_fallback_also_fails_keeps_its_sources_pinned(
         worker.get_finished([], [])
         scheduler.build_connector_meta(SchedulerOutput())
     assert scheduler.core.held_load_batches == 1, "copies of unknown fate: sources stay pinned"
+
+
+@pytest.mark.parametrize(("on_gpu", "cpus", "expected"), [(True, 8, 2), (False, 64, 0)])
+def test_auto_codec_processes_follow_the_kv_cache_and_the_cpus(
+    bucket_env: str, monkeypatch: pytest.MonkeyPatch, on_gpu: bool, cpus: int, expected: int
+) -> None:
+    # codec_processes defaults to auto: a KV cache on a GPU gets one process per 4 CPUs (at
+    # most 4), which keeps the codec off the engine's GIL; elsewhere the I/O threads do it.
+    from s3kv.connector import trtllm
+    from s3kv.offload import sizing
+
+    monkeypatch.setattr(trtllm, "_on_gpu", lambda kv: on_gpu)
+    monkeypatch.setattr(sizing, "cpu_budget", lambda: cpus)
+    kv_a = pool()
+    for b in range(8):
+        kv_a[b] = float(b + 1)
+    scheduler, worker = instance(kv_a)
+    (store,) = process_state().stores.values()
+    assert store.metrics.value("codec_processes_alive") == expected
+    request = Request(1, PROMPT)
+    assert scheduler.get_num_new_matched_tokens(request, 0) == (0, False)
+    scheduler.update_state_after_alloc(request, [3, 1, 4, 5, 2])
+    step(scheduler, worker, SchedulerOutput(
+        new_requests=[RequestData(1, PROMPT, [3, 1, 4, 5, 2], 0, 17)]))  # fmt: skip
+    scheduler.request_finished(request, [3, 1, 4, 5, 2])
+    process_state().close_all()  # NOTE: drains the saves, wherever they run
+    assert store.metrics.value("save_completed") == 4
+
+    kv_b = pool()
+    scheduler_b, worker_b = instance(kv_b)
+    assert scheduler_b.warm is not None
+    assert scheduler_b.warm.staged == 4
+    request_b = Request(7, PROMPT)
+    assert scheduler_b.get_num_new_matched_tokens(request_b, 0) == (16, False)
+    scheduler_b.update_state_after_alloc(request_b, [0, 2, 4, 6, 7])
+    step(scheduler_b, worker_b, SchedulerOutput(
+        new_requests=[RequestData(7, PROMPT, [0, 2, 4, 6, 7], 0, 1)]))  # fmt: skip
+    for src, dst in zip([3, 1, 4, 5], [0, 2, 4, 6], strict=True):
+        assert torch.equal(kv_b[dst], kv_a[src])

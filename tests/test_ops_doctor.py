@@ -286,13 +286,35 @@ def test_the_codec_check_says_whether_the_native_kernel_runs(
         (check,) = [c for c in report.checks if c.name == "codec"]
         return check.status, check.detail, check.remedy
 
+    from s3kv.offload import sizing
+
+    monkeypatch.setattr(sizing, "cpu_budget", lambda: 2)  # NOTE: as this 2-core machine
+    for name in ("LOCAL_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS",
+                 "SLURM_NTASKS_PER_NODE"):  # fmt: skip
+        monkeypatch.delenv(name, raising=False)
     if _zstd._KERNEL is not None:
-        assert codec_check() == ("ok", "native plane kernel", None)
+        status, detail, remedy = codec_check()
+        assert (status, remedy) == ("ok", None)
+        assert detail.startswith("native plane kernel; codec_processes auto: 0 per GPU rank here")
+        assert "2 CPUs for 1 GPU rank on this host leave fewer than 4 per process" in detail
     monkeypatch.setattr(_zstd, "_KERNEL", None)
     monkeypatch.setattr(_zstd, "_NO_KERNEL", "s3kv._planes_native is not built (no C compiler)")
     status, detail, remedy = codec_check()
     assert status == "warn"
     assert "not built (no C compiler)" in detail
+    assert "in the I/O threads (codec_processes auto: 0 per GPU rank here" in detail
     assert remedy is not None
     assert "C compiler" in remedy
-    assert codec_check(codec_processes=2)[0] == "ok"
+    assert codec_check(codec_processes=2) == (
+        "ok",
+        "Python plane codec (s3kv._planes_native is not built (no C compiler)), off the GIL; "
+        "codec_processes 2",
+        None,
+    )
+    monkeypatch.setattr(sizing, "cpu_budget", lambda: 16)  # a GPU host's: auto runs 4
+    status, detail, _ = codec_check()
+    assert status == "ok"
+    assert detail.endswith(
+        "off the GIL; codec_processes auto: 4 per GPU rank here "
+        "(4 for its store: 16 CPUs for 1 GPU rank on this host)"
+    )

@@ -77,6 +77,7 @@ _TYPES: dict[str, tuple[type, ...]] = {
     "bool": (bool,),
     "str": (str,),
     "str | None": (str, type(None)),
+    "int | Literal['auto']": (int, str),
 }
 
 
@@ -93,6 +94,8 @@ def assert_well_typed(cfg: S3KVConfig) -> None:
         else:
             expected = _TYPES.get(str(f.type), (str,))
         assert type(value) in expected, (name, value)
+        if str(f.type) == "int | Literal['auto']" and isinstance(value, str):
+            assert value == "auto", (name, value)
         if isinstance(value, float):
             assert math.isfinite(value), (name, value)
 

@@ -44,6 +44,7 @@ from s3kv.connector.warm import WarmStart
 from s3kv.connector.worker import WorkerCore, block_geometry
 from s3kv.errors import S3KVError
 from s3kv.keys import UNKNOWN
+from s3kv.offload import resolve_codec_processes
 
 logger = logging.getLogger(__name__)
 
@@ -67,6 +68,11 @@ def _guarded(default: Callable[..., Any]) -> Callable[[Callable[..., T]], Callab
         return wrapper
 
     return decorate
+
+
+def _on_gpu(kv: Any) -> bool:
+    """The KV pool tensor is on a GPU."""
+    return bool(getattr(kv, "is_cuda", False))
 
 
 def _tokens_per_block(llm_args: Any) -> int:
@@ -108,8 +114,9 @@ class S3KVConnectorScheduler(SchedulerBase):  # type: ignore[misc]
         self.core = None
         logger.error("s3kv: connector disabled: %s", reason)
 
-    def initialize(self, shards: list[ShardInfo]) -> None:
-        """Open one store per shard (rank 0's worker calls this after registration)."""
+    def initialize(self, shards: list[ShardInfo], *, on_gpu: bool = False) -> None:
+        """Open one store per shard (rank 0's worker calls this after registration;
+        ``on_gpu``: the KV cache is on a GPU, which ``codec_processes = auto`` asks)."""
         core = self.core
         if core is None:
             return
@@ -118,19 +125,22 @@ class S3KVConnectorScheduler(SchedulerBase):  # type: ignore[misc]
             self.turn_off(f"rank {off[0].rank}: {off[0].reason}")
             return
         try:
-            self._open_shards(shards)
+            self._open_shards(shards, on_gpu)
         except S3KVError as exc:  # no bucket configured, no shared memory
             self.turn_off(str(exc))
 
-    def _open_shards(self, shards: list[ShardInfo]) -> None:
+    def _open_shards(self, shards: list[ShardInfo], on_gpu: bool) -> None:
         core = self.core
         if core is None:
             return
         state = process_state()
         identities = [s.identity for s in shards if s.identity is not None]
         board = CompletionBoard.private()
+        sized = resolve_codec_processes(
+            self.config, on_gpu=on_gpu, stores=len(shards), tp_size=len(shards)
+        )
         if len(shards) == 1:
-            stores = ShardStores([state.open_store(self.config, identities[0])])
+            stores = ShardStores([state.open_store(sized, identities[0])])
         else:
             if len({s.host for s in shards}) > 1:
                 self.turn_off(
@@ -138,8 +148,8 @@ class S3KVConnectorScheduler(SchedulerBase):  # type: ignore[misc]
                     "host memory, which other hosts cannot map (see the connector README)"
                 )
                 return
-            share = self.config.staging_bytes // len(shards)
-            config = self.config.replace(staging_bytes=share)
+            share = sized.staging_bytes // len(shards)
+            config = sized.replace(staging_bytes=share)
             arenas = [SlabArena.create(s.block_nbytes, share, tag=f"r{s.rank}-") for s in shards]
             # NOTE: one manifest for the layout, not one per shard (s3kv.manifest.shards).
             layout = state.open_layout(config, identities, arenas)
@@ -339,11 +349,14 @@ class S3KVConnectorWorker(WorkerBase):  # type: ignore[misc]
         if info.identity is None or self.config is None or self.rank == 0:
             return info
         relayed = None
+        sized = resolve_codec_processes(
+            self.config, on_gpu=_on_gpu(kv), stores=1, tp_size=info.identity.tp_size
+        )
         try:
             if info.identity.tp_size > 1:
-                store, relayed = process_state().open_relayed_store(self.config, info.identity)
+                store, relayed = process_state().open_relayed_store(sized, info.identity)
             else:
-                store = process_state().open_store(self.config, info.identity)
+                store = process_state().open_store(sized, info.identity)
         except S3KVError as exc:  # missing bucket, denied credentials: one line, named
             return ShardInfo(self.rank, None, str(exc), info.block_nbytes, info.host)
         self._pending_core = WorkerCore(
@@ -370,7 +383,8 @@ class S3KVConnectorWorker(WorkerBase):  # type: ignore[misc]
             )
         if scheduler is not None:
             try:
-                scheduler.initialize(shards)  # with a rank off, turns itself off naming it
+                # NOTE: with a rank off, it turns itself off naming it
+                scheduler.initialize(shards, on_gpu=_on_gpu(self._kv))
             except Exception as exc:
                 scheduler.turn_off(f"starting the scheduler failed: {exc}")
                 raise

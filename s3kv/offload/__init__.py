@@ -9,18 +9,30 @@ Parts (users import this front, never the parts):
   jobs to them, delivers outcomes, and survives their death.
 * ``child`` — the process itself (``python -m s3kv.offload.child FD``).
 * ``affinity`` — which CPUs the processes run on (``codec_cpus``): :func:`choose_cpus`.
+* ``sizing`` — how many processes ``codec_processes = auto`` runs per store:
+  :func:`resolve_codec_processes` (the connector calls it; a store takes a number).
 * ``work`` — one job's work, and :func:`open_stored`, the one way a stored block is opened
   (the store's in-thread path uses it too).
 
-A store uses them when ``codec_processes`` > 0 (:mod:`s3kv.store`).
+A store uses them when ``codec_processes`` > 0 (:mod:`s3kv.store`); ``auto`` is resolved by
+the connector, which knows whether the KV cache is on a GPU.
 """
 
 from s3kv.offload.affinity import Placement, choose_cpus, log_placement
 from s3kv.offload.jobs import Failure, FetchJob, Job, Outcome, Outcomes, SaveJob, SaveJobs
 from s3kv.offload.processes import CodecProcesses
+from s3kv.offload.sizing import (
+    AutoChoice,
+    auto_here,
+    auto_processes,
+    cpu_budget,
+    local_ranks,
+    resolve_codec_processes,
+)
 from s3kv.offload.work import open_stored
 
 __all__ = [
+    "AutoChoice",
     "CodecProcesses",
     "Failure",
     "FetchJob",
@@ -30,7 +42,12 @@ __all__ = [
     "Placement",
     "SaveJob",
     "SaveJobs",
+    "auto_here",
+    "auto_processes",
     "choose_cpus",
+    "cpu_budget",
+    "local_ranks",
     "log_placement",
     "open_stored",
+    "resolve_codec_processes",
 ]

@@ -64,13 +64,24 @@ def allowed_cpus() -> frozenset[int]:
     and Kubernetes' CPU manager set it), else the host's online CPUs."""
     online = online_cpus()
     try:
-        lines = Path("/proc/self/cgroup").read_text().splitlines()
-        path = next(line.split(":", 2)[2] for line in lines if line.startswith("0::"))
-        text = (_CGROUP / path.strip().lstrip("/") / "cpuset.cpus.effective").read_text()
+        text = read_cgroup("cpuset.cpus.effective")
         allowed = parse_cpu_list(text.strip()) & online
-    except (OSError, ValueError, StopIteration):
+    except (OSError, ValueError):
         return online
     return allowed or online
+
+
+def read_cgroup(name: str) -> str:
+    """The text of this process's cgroup (v2) file ``name``.
+
+    Raises:
+        OSError: no cgroup v2 hierarchy, or no such file in the process's cgroup.
+    """
+    lines = Path("/proc/self/cgroup").read_text().splitlines()
+    paths = [line.split(":", 2)[2] for line in lines if line.startswith("0::")]
+    if not paths:
+        raise FileNotFoundError("no cgroup v2 entry in /proc/self/cgroup")
+    return (_CGROUP / paths[0].strip().lstrip("/") / name).read_text()
 
 
 @dataclass(frozen=True)
@@ -174,4 +185,5 @@ __all__ = [
     "format_cpus",
     "log_placement",
     "online_cpus",
+    "read_cgroup",
 ]

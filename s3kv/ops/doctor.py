@@ -68,6 +68,7 @@ from typing import Any, TypeVar
 from s3kv import _zstd
 from s3kv.config import S3KVConfig
 from s3kv.errors import AccessDeniedError, ConfigError, EndpointError, StorageError
+from s3kv.offload import auto_here
 from s3kv.storage import Backend, Credentials, is_file_url, open_backend, whoami
 
 __all__ = [
@@ -347,18 +348,25 @@ def run_doctor(
 
 
 def _codec(cfg: S3KVConfig) -> Check:
-    """Whether the byte-plane codec runs in its native kernel here (no I/O)."""
+    """Whether the byte-plane codec runs in its native kernel here, and where a GPU rank's
+    blocks are coded: codec processes or the I/O threads (no I/O)."""
     problem = _zstd.kernel_problem()
+    if cfg.codec_processes == "auto":
+        choice = auto_here(on_gpu=True, stores=1, tp_size=1)
+        processes = choice.processes
+        where = f"codec_processes auto: {processes} per GPU rank here ({choice.reason})"
+    else:
+        processes = cfg.codec_processes
+        where = f"codec_processes {processes}"
     if problem is None:
-        return Check("codec", "ok", "native plane kernel")
-    if cfg.codec_processes:
-        detail = f"Python plane codec ({problem}); codec_processes keeps it off the GIL"
-        return Check("codec", "ok", detail)
+        return Check("codec", "ok", f"native plane kernel; {where}")
+    if processes:
+        return Check("codec", "ok", f"Python plane codec ({problem}), off the GIL; {where}")
     return Check(
         "codec",
         "warn",
-        f"Python plane codec ({problem}): I/O threads coding blocks contend for the GIL "
-        "(at 8 threads about 0.6x the kernel's encode MB/s)",
+        f"Python plane codec ({problem}) in the I/O threads ({where}): they contend for the "
+        "GIL (at 8 threads about 0.6x the kernel's encode MB/s)",
         "reinstall s3kv-cache where a C compiler and CPython >= 3.11 are present, or set "
         "codec_processes",
     )
