@@ -424,9 +424,9 @@ class S3KVConfig:
         "auto",
         "Processes doing block GET/PUT and codec work, 0..64, or auto; 0 does it in the I/O "
         "threads. Off the engine's interpreter, they neither slow its forward loop nor share "
-        "its GIL (io_threads is then the total GET/PUT concurrency). auto: the connector runs "
-        "up to 4 per GPU rank where the KV cache is on a GPU and the rank's share of the "
-        "CPUs holds 4 per process, else 0; everywhere else 0.",
+        "its GIL (io_threads is then the total GET/PUT concurrency). auto: where the KV cache "
+        "is on a GPU, one per 4 CPUs of the rank's share of the host, at most 4 a rank "
+        "(s3kv.offload.sizing); elsewhere 0.",
         low=0,
         high=64,
     )
@@ -754,7 +754,8 @@ def _normalise(f: dataclasses.Field[Any], kind: str, value: Any) -> Any:
         low, high = meta["low"], meta["high"]
         if (low is not None and value < low) or (high is not None and value > high):
             bound = f"in {low}..{high}" if high is not None else f">= {low}"
-            raise _RuleError(f"must be {bound}, got {value}")
+            either = " or auto" if kind == "int-or-auto" else ""
+            raise _RuleError(f"must be {bound}{either}, got {value}")
     elif kind == "float":
         if isinstance(value, str):
             value = _parse(float, value, "a number")

@@ -96,6 +96,15 @@ def test_two_healthy_ranks_come_up_together(monkeypatch: pytest.MonkeyPatch) -> 
     assert scheduler.core is not None
     assert all(w.core is not None for w in workers)
     assert scheduler.core.board.path, "a shared completion board for the TP workers"
+    # Rank 0 stages every shard into arenas the other ranks map: rank 1's own store (it only
+    # saves) gets no staging budget, which with codec processes would be a whole arena
+    # page-locked at start on every rank.
+    stores = trtllm.process_state().stores
+    shard_stores = [store for name, store in stores.items() if "@" in name]
+    (relayed,) = [store for name, store in stores.items() if "@" not in name]
+    assert len(shard_stores) == 2
+    assert relayed.metrics.value("staging_capacity_bytes") == 0
+    assert all(s.metrics.value("staging_capacity_bytes") > 0 for s in shard_stores)
 
 
 @pytest.mark.usefixtures("bucket_env")

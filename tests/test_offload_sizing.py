@@ -3,13 +3,21 @@
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 
 import pytest
 
 from s3kv.config import S3KVConfig
 from s3kv.errors import ConfigError
 from s3kv.offload import affinity, sizing
-from s3kv.offload.sizing import auto_processes, cpu_budget, local_ranks, resolve_codec_processes
+from s3kv.offload.sizing import (
+    CpuBudget,
+    auto_here,
+    auto_processes,
+    cpu_budget,
+    local_ranks,
+    resolve_codec_processes,
+)
 
 
 @pytest.mark.parametrize(
@@ -43,9 +51,11 @@ def test_a_host_runs_at_most_half_its_cpus_in_codec_processes(ranks: int, cpus: 
 
 
 def test_the_cpu_budget_is_the_cpuset_bounded_by_the_cgroup_quota(
-    monkeypatch: pytest.MonkeyPatch,
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
     monkeypatch.setattr(sizing, "allowed_cpus", lambda: frozenset(range(64)))
+    monkeypatch.setattr(sizing, "online_cpus", lambda: frozenset(range(64)))
+    monkeypatch.setattr(sizing, "_CGROUP_V1", tmp_path)  # NOTE: no v1 controller here
     files = {"cpu.max": "max 100000\n"}
 
     def read(name: str) -> str:
@@ -54,15 +64,37 @@ def test_the_cpu_budget_is_the_cpuset_bounded_by_the_cgroup_quota(
         return files[name]
 
     monkeypatch.setattr(sizing, "read_cgroup", read)
-    assert cpu_budget() == 64  # no quota
+    assert cpu_budget() == CpuBudget(64, whole_host=True)  # no quota
     files["cpu.max"] = "600000 100000\n"  # a Kubernetes limit of 6 CPUs
-    assert cpu_budget() == 6
+    assert cpu_budget() == CpuBudget(6, whole_host=False)
     files["cpu.max"] = "50000 100000\n"  # half a CPU: still one
-    assert cpu_budget() == 1
-    files["cpu.max"] = "garbage"
-    assert cpu_budget() == 64
-    del files["cpu.max"]  # cgroup v1, or no cgroup
-    assert cpu_budget() == 64
+    assert cpu_budget() == CpuBudget(1, whole_host=False)
+    for junk in ("garbage", "100000 0", "", "-1 100000"):
+        files["cpu.max"] = junk
+        assert cpu_budget() == CpuBudget(64, whole_host=True), junk
+    del files["cpu.max"]  # cgroup v1: the cpu controller's CFS quota
+    (tmp_path / "cpu,cpuacct").mkdir()
+    (tmp_path / "cpu,cpuacct" / "cpu.cfs_quota_us").write_text("400000\n")
+    (tmp_path / "cpu,cpuacct" / "cpu.cfs_period_us").write_text("100000\n")
+    assert cpu_budget() == CpuBudget(4, whole_host=False)
+    (tmp_path / "cpu,cpuacct" / "cpu.cfs_quota_us").write_text("-1\n")  # v1's "no limit"
+    assert cpu_budget() == CpuBudget(64, whole_host=True)
+    monkeypatch.setattr(sizing, "allowed_cpus", lambda: frozenset(range(8)))  # a cpuset
+    assert cpu_budget() == CpuBudget(8, whole_host=False)
+
+
+def test_independent_engines_on_one_host_share_its_cpus(monkeypatch: pytest.MonkeyPatch) -> None:
+    # One server per GPU, no launcher counting them: each sees one rank, so where nothing
+    # narrows the host's CPUs, each sizes from its share of them by the host's GPUs.
+    for name in ("LOCAL_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS",
+                 "SLURM_NTASKS_PER_NODE"):  # fmt: skip
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(sizing, "host_gpus", lambda: 8)
+    monkeypatch.setattr(sizing, "cpu_budget", lambda: CpuBudget(32, whole_host=True))
+    assert auto_here(on_gpu=True, stores=1, tp_size=1).processes == 1  # 8 on 32 CPUs
+    # A container with its own CPU limit sizes from it, whatever the host's GPUs.
+    monkeypatch.setattr(sizing, "cpu_budget", lambda: CpuBudget(16, whole_host=False))
+    assert auto_here(on_gpu=True, stores=1, tp_size=1).processes == 4
 
 
 def test_read_cgroup_names_a_missing_hierarchy(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -81,12 +113,15 @@ def test_local_ranks_take_the_launchers_count(monkeypatch: pytest.MonkeyPatch) -
     assert local_ranks(2) == 8
     monkeypatch.setenv("SLURM_NTASKS_PER_NODE", "4(x2)")  # not a plain count: ignored
     assert local_ranks(2) == 8
+    monkeypatch.setenv("MPI_LOCALNRANKS", "\u00b2")  # a digit to str.isdigit, not to int()
+    assert local_ranks(2) == 8
 
 
 def test_resolve_makes_auto_a_number_and_leaves_numbers_alone(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    monkeypatch.setattr(sizing, "cpu_budget", lambda: 16)
+    monkeypatch.setattr(sizing, "cpu_budget", lambda: CpuBudget(16, whole_host=True))
+    monkeypatch.setattr(sizing, "host_gpus", lambda: 1)
     monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
     monkeypatch.delenv("OMPI_COMM_WORLD_LOCAL_SIZE", raising=False)
     monkeypatch.delenv("MPI_LOCALNRANKS", raising=False)
@@ -115,7 +150,7 @@ def test_the_setting_takes_a_count_or_auto(value: object, expected: object) -> N
     ("value", "problem"),
     [
         ("many", "codec_processes: expected an integer or auto, got 'many'"),
-        (-1, "codec_processes: must be in 0..64, got -1"),
+        (-1, "codec_processes: must be in 0..64 or auto, got -1"),
         (True, "codec_processes: expected an integer or auto, got True"),
         (1.5, "codec_processes: expected an integer or auto, got 1.5"),
     ],

@@ -288,7 +288,9 @@ def test_the_codec_check_says_whether_the_native_kernel_runs(
 
     from s3kv.offload import sizing
 
-    monkeypatch.setattr(sizing, "cpu_budget", lambda: 2)  # NOTE: as this 2-core machine
+    # NOTE: as this 2-core machine, which has no GPU
+    monkeypatch.setattr(sizing, "cpu_budget", lambda: sizing.CpuBudget(2, whole_host=True))
+    monkeypatch.setattr(sizing, "host_gpus", lambda: 0)
     for name in ("LOCAL_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS",
                  "SLURM_NTASKS_PER_NODE"):  # fmt: skip
         monkeypatch.delenv(name, raising=False)
@@ -311,7 +313,9 @@ def test_the_codec_check_says_whether_the_native_kernel_runs(
         "codec_processes 2",
         None,
     )
-    monkeypatch.setattr(sizing, "cpu_budget", lambda: 16)  # a GPU host's: auto runs 4
+    # an H200 host's 16 CPUs, one GPU: auto runs 4
+    monkeypatch.setattr(sizing, "cpu_budget", lambda: sizing.CpuBudget(16, whole_host=True))
+    monkeypatch.setattr(sizing, "host_gpus", lambda: 1)
     status, detail, _ = codec_check()
     assert status == "ok"
     assert detail.endswith(

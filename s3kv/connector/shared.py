@@ -193,8 +193,11 @@ class ProcessState:
                 # NOTE: this rank reads no manifest (nor usage: warm start runs on rank 0) and
                 # cannot name the layout before the all-gather, so the store keeps its own.
                 source = ManifestSource(fingerprint, lambda _: new)
+                # NOTE: nor does it stage: rank 0 stages every shard into arenas this rank
+                # maps, so a staging budget here would sit unused (with codec processes, a
+                # whole arena page-locked at start on every rank).
                 store = KVStore.open(
-                    _rank_metrics(config, identity.tp_rank),
+                    _rank_metrics(config, identity.tp_rank).replace(staging_bytes=0),
                     identity,
                     manifest=source,
                     degraded_start=True,

@@ -21,14 +21,7 @@ the connector, which knows whether the KV cache is on a GPU.
 from s3kv.offload.affinity import Placement, choose_cpus, log_placement
 from s3kv.offload.jobs import Failure, FetchJob, Job, Outcome, Outcomes, SaveJob, SaveJobs
 from s3kv.offload.processes import CodecProcesses
-from s3kv.offload.sizing import (
-    AutoChoice,
-    auto_here,
-    auto_processes,
-    cpu_budget,
-    local_ranks,
-    resolve_codec_processes,
-)
+from s3kv.offload.sizing import AutoChoice, auto_here, resolve_codec_processes
 from s3kv.offload.work import open_stored
 
 __all__ = [
@@ -43,10 +36,7 @@ __all__ = [
     "SaveJob",
     "SaveJobs",
     "auto_here",
-    "auto_processes",
     "choose_cpus",
-    "cpu_budget",
-    "local_ranks",
     "log_placement",
     "open_stored",
     "resolve_codec_processes",
