@@ -104,6 +104,25 @@ def step(scheduler: S3KVConnectorScheduler, worker: S3KVConnectorWorker,
 PROMPT = list(range(1, 18))  # 17 tokens: 4 full blocks
 
 
+def warm_instance_loads_the_prompt(kv_a: torch.Tensor) -> torch.Tensor:
+    """A new instance with an empty pool: warm start stages PROMPT's 4 blocks, which the
+    instance that wrote ``kv_a`` saved from its blocks [3, 1, 4, 5]; it claims 16 tokens and
+    loads them into blocks [0, 2, 4, 6], leaving the tail block alone. Returns its pool."""
+    kv_b = pool()
+    scheduler_b, worker_b = instance(kv_b)
+    assert scheduler_b.warm is not None
+    assert scheduler_b.warm.staged == 4
+    request_b = Request(7, PROMPT)
+    assert scheduler_b.get_num_new_matched_tokens(request_b, 0) == (16, False)
+    scheduler_b.update_state_after_alloc(request_b, [0, 2, 4, 6, 7])
+    meta_b = step(scheduler_b, worker_b, SchedulerOutput(
+        new_requests=[RequestData(7, PROMPT, [0, 2, 4, 6, 7], 0, 1)]))  # fmt: skip
+    assert [op.block_id for op in meta_b.loads] == [0, 2, 4, 6]
+    for src, dst in zip([3, 1, 4, 5], [0, 2, 4, 6], strict=True):
+        assert torch.equal(kv_b[dst], kv_a[src])
+    return kv_b
+
+
 def test_save_then_a_fresh_instance_warms_claims_and_loads(bucket_env: str) -> None:
     # Instance A computes the prompt (its pool holds distinct values per block) and saves.
     kv_a = pool()
@@ -121,18 +140,7 @@ def test_save_then_a_fresh_instance_warms_claims_and_loads(bucket_env: str) -> N
     process_state().close_all()  # instance A exits: saves drained, manifest flushed
 
     # Instance B: a new scheduler/worker pair with an empty pool; warm start stages the chain.
-    kv_b = pool()
-    scheduler_b, worker_b = instance(kv_b)
-    assert scheduler_b.warm is not None
-    assert scheduler_b.warm.staged == 4
-    request_b = Request(7, PROMPT)
-    assert scheduler_b.get_num_new_matched_tokens(request_b, 0) == (16, False)
-    scheduler_b.update_state_after_alloc(request_b, [0, 2, 4, 6, 7])
-    meta_b = step(scheduler_b, worker_b, SchedulerOutput(
-        new_requests=[RequestData(7, PROMPT, [0, 2, 4, 6, 7], 0, 1)]))  # fmt: skip
-    assert [op.block_id for op in meta_b.loads] == [0, 2, 4, 6]
-    for src, dst in zip([3, 1, 4, 5], [0, 2, 4, 6], strict=True):
-        assert torch.equal(kv_b[dst], kv_a[src])
+    kv_b = warm_instance_loads_the_prompt(kv_a)
     assert torch.count_nonzero(kv_b[7]) == 0, "the unclaimed tail block is not touched"
 
 
@@ -557,14 +565,4 @@ def test_auto_codec_processes_follow_the_kv_cache_and_the_cpus(
     process_state().close_all()  # NOTE: drains the saves, wherever they run
     assert store.metrics.value("save_completed") == 4
 
-    kv_b = pool()
-    scheduler_b, worker_b = instance(kv_b)
-    assert scheduler_b.warm is not None
-    assert scheduler_b.warm.staged == 4
-    request_b = Request(7, PROMPT)
-    assert scheduler_b.get_num_new_matched_tokens(request_b, 0) == (16, False)
-    scheduler_b.update_state_after_alloc(request_b, [0, 2, 4, 6, 7])
-    step(scheduler_b, worker_b, SchedulerOutput(
-        new_requests=[RequestData(7, PROMPT, [0, 2, 4, 6, 7], 0, 1)]))  # fmt: skip
-    for src, dst in zip([3, 1, 4, 5], [0, 2, 4, 6], strict=True):
-        assert torch.equal(kv_b[dst], kv_a[src])
+    warm_instance_loads_the_prompt(kv_a)
