@@ -80,6 +80,10 @@ def test_denied_writes_name_the_grant_and_slow_heads_warn(tmp_path: Path) -> Non
     assert checks["conditional write"].status == "skip"
     assert checks["latency"].status == "warn"
     assert checks["latency"].latency_ms == pytest.approx(300.0)
+    # 8 GETs at once, each a 300 ms round trip at least: 27 a second, 0.2 Gbit/s of 1 MB blocks
+    assert "io_threads 8 allow at most 27 block GETs a second (0.2 Gbit/s" in (
+        checks["latency"].detail
+    )
     assert opened[0].conditional_put == "off"  # opening does no I/O
 
 
