@@ -8,7 +8,7 @@ arena's shared memory, and encode and PUT read the save arena's: no shared GIL.
 
 Each mode, on the same blocks and bucket, N = 1, 2, 4, 8, 16 (capped at the host's cores):
 
-* ``threads``: ``codec_processes = 0``, ``io_threads = N`` (the path where the KV cache is not on a GPU);
+* ``threads``: ``codec_processes = 0``, ``io_threads = N`` (the path off the GPU);
 * ``processes``: ``codec_processes = N``, ``io_threads = N`` (one job at a time per process).
 
 Stage: a fresh store per N, ``prefetch`` of every block and ``wait_staged`` (after a few
