@@ -264,7 +264,9 @@ class KVStore:
         # NOTE: with codec processes the pool's threads only hand fetches over (and do the
         # work of whatever the processes cannot take): more of them would only contend for
         # the engine's GIL.
-        threads = config.io_threads if codec_processes is None else min(config.io_threads, 2)
+        threads = config.io_concurrency()
+        if codec_processes is not None:
+            threads = min(threads, 2)
         self._pool = pool if pool is not None else IOPool(threads)
         self._codec = _CODECS[config.codec]
         self._lock = threading.Lock()
@@ -1624,7 +1626,7 @@ def _start_codec_processes(
         offload = CodecProcesses(
             config,
             processes=processes,
-            threads=-(-config.io_threads // processes),
+            threads=-(-config.io_concurrency(processes) // processes),
             keyring=keyring,
             cpus=placement.cpus if placement is not None else None,
         )

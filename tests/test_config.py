@@ -53,11 +53,11 @@ def test_toml_file_then_env_then_arguments(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("env", "message"),
     [
-        ({"TLLM_S3KV_IO_THREADS": "many"}, "io_threads: expected an integer, got 'many'"),
+        ({"TLLM_S3KV_IO_THREADS": "many"}, "io_threads: expected an integer or auto, got 'many'"),
         ({"TLLM_S3KV_STAGING_BYTES": "lots"}, "staging_bytes"),
         ({"TLLM_S3KV_CODEC": "gzip"}, "codec: must be one of planes-zstd, planes-ref, zstd, raw"),
         ({"TLLM_S3KV_BLOOM_FPR": "0.9"}, "bloom_fpr"),
-        ({"TLLM_S3KV_IO_THREADS": "0"}, "io_threads: must be >= 1"),
+        ({"TLLM_S3KV_IO_THREADS": "0"}, "io_threads: must be >= 1 or auto"),
         ({"TLLM_S3KV_BUCKTE": "typo"}, "TLLM_S3KV_BUCKTE: unknown setting"),
         ({"TLLM_S3KV_CLOSE_TIMEOUT": "soon"}, "close_timeout"),
     ],
@@ -262,7 +262,9 @@ def test_constructor_and_replace_validate_types_strictly(
 def test_overrides_name_the_setting_and_the_argument() -> None:
     with pytest.raises(ConfigError, match=r"^staging_bytes: .* \(from argument\)$"):
         S3KVConfig.load(environ={}, staging_bytes=float("inf"))
-    with pytest.raises(ConfigError, match=r"^io_threads: must be >= 1, got 0 \(from argument\)$"):
+    with pytest.raises(
+        ConfigError, match=r"^io_threads: must be >= 1 or auto, got 0 \(from argument\)$"
+    ):
         S3KVConfig.load(environ={}, io_threads=0)
 
 

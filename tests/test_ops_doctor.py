@@ -68,7 +68,7 @@ def test_denied_writes_name_the_grant_and_slow_heads_warn(tmp_path: Path) -> Non
     ticks = _ticks(0.3)  # every timed request takes 300 ms
     report = run_doctor(
         environ={},
-        overrides={"endpoint_url": f"file://{tmp_path}"},
+        overrides={"endpoint_url": f"file://{tmp_path}", "io_threads": 8},
         open_backend=factory,
         timer=lambda: next(ticks),
         samples=3,
@@ -81,7 +81,7 @@ def test_denied_writes_name_the_grant_and_slow_heads_warn(tmp_path: Path) -> Non
     assert checks["latency"].status == "warn"
     assert checks["latency"].latency_ms == pytest.approx(300.0)
     # 8 GETs at once, each a 300 ms round trip at least: 27 a second, 0.2 Gbit/s of 1 MB blocks
-    assert "io_threads 8 allow at most 27 block GETs a second (0.2 Gbit/s" in (
+    assert "8 GETs at once (io_threads 8) allow at most 27 block GETs a second (0.2 Gbit/s" in (
         checks["latency"].detail
     )
     assert opened[0].conditional_put == "off"  # opening does no I/O

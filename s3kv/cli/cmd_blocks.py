@@ -482,7 +482,7 @@ def verify(
                 sample=None if all_ else sample,
                 seed=seed,
                 fpr=s.cfg.bloom_fpr,
-                threads=s.cfg.io_threads,
+                threads=s.cfg.io_concurrency(),
                 clock=rt.clock,
                 progress=progress,
                 keyring=keyring,
@@ -497,7 +497,7 @@ def verify(
                 prefix=s.prefix,
                 fpr=s.cfg.bloom_fpr,
                 clock=rt.clock,
-                threads=s.cfg.io_threads,
+                threads=s.cfg.io_concurrency(),
                 keyring=keyring,
             )
             doomed = deletable(report.findings, s.prefix)  # NOTE: now with .deleted set

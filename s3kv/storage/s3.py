@@ -488,7 +488,7 @@ def make_client(
         retries={"total_max_attempts": cfg.max_attempts, "mode": "standard"},
         connect_timeout=cfg.connect_timeout,
         read_timeout=cfg.read_timeout,
-        max_pool_connections=max(10, 2 * cfg.io_threads),
+        max_pool_connections=max(10, 2 * cfg.io_concurrency()),
         request_checksum_calculation="when_required",
         response_checksum_validation="when_required",
     )
