@@ -215,7 +215,7 @@ class KVStore:
         config: Settings (prefix, bounds, codec, policies).
         metrics: Registry shared with the manifest and staging.
         allocator: Staging buffer allocator (pinned host memory under CUDA by default).
-        pool: I/O pool; default ``config.io_threads`` threads (pass ``IOPool(0)`` for inline).
+        pool: I/O pool; default ``config.io_concurrency()`` threads (pass ``IOPool(0)`` for inline).
         block_nbytes: Raw size every block must have, if known (checked on decode).
         manifest_fingerprint: Where the manifest lives, if not under ``fingerprint``.
         keyring: Block keys (``auth_keys``): seal every save, open only sealed blocks.
