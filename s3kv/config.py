@@ -421,10 +421,11 @@ class S3KVConfig:
     )
     # --- engine ---
     io_threads: int | Literal["auto"] = _plain(
-        "auto",
+        8,
         "GET/PUT requests at once, >= 1, or auto: the I/O pool's threads (GET/PUT + codec "
         "work), or with codec_processes the processes' threads in all. auto: "
-        f"{IO_THREADS_PER_WORKER} in the I/O pool, {IO_THREADS_PER_WORKER} per codec process.",
+        f"{IO_THREADS_PER_WORKER} in the I/O pool, {IO_THREADS_PER_WORKER} per codec process "
+        "(for long links: a GET waits a round trip at least).",
         low=1,
     )
     codec_processes: int | Literal["auto"] = _plain(
