@@ -548,7 +548,7 @@ def test_auto_codec_processes_follow_the_kv_cache_and_the_cpus(
     from s3kv.connector import trtllm
     from s3kv.offload import sizing
 
-    monkeypatch.setattr(trtllm, "_on_gpu", lambda kv: on_gpu)
+    monkeypatch.setattr(trtllm, "on_gpu", lambda kv: on_gpu)
     monkeypatch.setattr(sizing, "cpu_budget", lambda: sizing.CpuBudget(cpus, whole_host=False))
     kv_a = pool()
     for b in range(8):

@@ -305,9 +305,14 @@ class CudaCopyEngine:
         return result
 
 
+def on_gpu(kv_cache: Any) -> bool:
+    """The KV pool tensor is on a GPU (CUDA)."""
+    return bool(getattr(kv_cache, "is_cuda", False))
+
+
 def copy_engine(kv_cache: Any, stream: Any) -> CopyEngine:
     """The engine for this pool and the stream TensorRT-LLM passes to the worker."""
-    if bool(getattr(kv_cache, "is_cuda", False)):
+    if on_gpu(kv_cache):
         return CudaCopyEngine(kv_cache.device)
     if isinstance(stream, DeferredStream):
         return DeferredCopyEngine()
@@ -325,4 +330,5 @@ __all__ = [
     "StreamEvent",
     "SyncCopyEngine",
     "copy_engine",
+    "on_gpu",
 ]

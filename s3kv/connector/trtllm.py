@@ -34,6 +34,7 @@ from s3kv.config import S3KVConfig
 from s3kv.connector.api import SchedulerBase, SchedulerOutput, WorkerBase
 from s3kv.connector.comm import Collectives, get_collectives
 from s3kv.connector.completion import CompletionBoard
+from s3kv.connector.device import on_gpu
 from s3kv.connector.envelope import envelope_problems, envelope_warnings, pool_dtype_problem
 from s3kv.connector.identity import kv_dtype_name, shard_identity, weights_revision
 from s3kv.connector.metadata import EMPTY, ConnectorMetadata
@@ -68,11 +69,6 @@ def _guarded(default: Callable[..., Any]) -> Callable[[Callable[..., T]], Callab
         return wrapper
 
     return decorate
-
-
-def _on_gpu(kv: Any) -> bool:
-    """The KV pool tensor is on a GPU."""
-    return bool(getattr(kv, "is_cuda", False))
 
 
 def _tokens_per_block(llm_args: Any) -> int:
@@ -350,7 +346,7 @@ class S3KVConnectorWorker(WorkerBase):  # type: ignore[misc]
             return info
         relayed = None
         sized = resolve_codec_processes(
-            self.config, on_gpu=_on_gpu(kv), stores=1, tp_size=info.identity.tp_size
+            self.config, on_gpu=on_gpu(kv), stores=1, tp_size=info.identity.tp_size
         )
         try:
             if info.identity.tp_size > 1:
@@ -384,7 +380,7 @@ class S3KVConnectorWorker(WorkerBase):  # type: ignore[misc]
         if scheduler is not None:
             try:
                 # NOTE: with a rank off, it turns itself off naming it
-                scheduler.initialize(shards, on_gpu=_on_gpu(self._kv))
+                scheduler.initialize(shards, on_gpu=on_gpu(self._kv))
             except Exception as exc:
                 scheduler.turn_off(f"starting the scheduler failed: {exc}")
                 raise

@@ -54,6 +54,7 @@ from s3kv.connector.device import (
     StreamEvent,
     SyncCopyEngine,
     copy_engine,
+    on_gpu,
 )
 from s3kv.connector.metadata import ConnectorMetadata, LoadOp, SaveOps
 from s3kv.connector.relay import RelayedManifest
@@ -307,7 +308,7 @@ class WorkerCore:
         self.relay = relay
         self.store = store
         self.kv_cache = kv_cache
-        self.cuda = bool(kv_cache.is_cuda)
+        self.cuda = on_gpu(kv_cache)
         self.block_nbytes = kv_cache[0].numel() * kv_cache.element_size()
         pool_shape = tuple(int(d) for d in kv_cache.shape[1:])
         if block_shape is None or math.prod(block_shape) != math.prod(pool_shape):

@@ -348,24 +348,21 @@ def run_doctor(
     return report()
 
 
-def _codec_processes_here(cfg: S3KVConfig) -> int:
-    """The codec processes a GPU rank on this host runs with ``cfg``."""
+def _codec_processes_here(cfg: S3KVConfig) -> tuple[int, str]:
+    """The codec processes a GPU rank on this host runs with ``cfg``, and how it got them."""
     if cfg.codec_processes == "auto":
-        return auto_here(on_gpu=True, stores=1, tp_size=1).processes
-    return cfg.codec_processes
+        choice = auto_here(on_gpu=True, stores=1, tp_size=1)
+        return choice.processes, (
+            f"codec_processes auto: {choice.processes} per GPU rank here ({choice.reason})"
+        )
+    return cfg.codec_processes, f"codec_processes {cfg.codec_processes}"
 
 
 def _codec(cfg: S3KVConfig) -> Check:
     """Whether the byte-plane codec runs in its native kernel here, and where a GPU rank's
     blocks are coded: codec processes or the I/O threads (no I/O)."""
     problem = _zstd.kernel_problem()
-    if cfg.codec_processes == "auto":
-        choice = auto_here(on_gpu=True, stores=1, tp_size=1)
-        processes = choice.processes
-        where = f"codec_processes auto: {processes} per GPU rank here ({choice.reason})"
-    else:
-        processes = cfg.codec_processes
-        where = f"codec_processes {processes}"
+    processes, where = _codec_processes_here(cfg)
     if problem is None:
         return Check("codec", "ok", f"native plane kernel; {where}")
     if processes:
@@ -800,7 +797,7 @@ def _latency(
     median = statistics.median(times)
     detail = f"HEAD median {median:.1f} ms, worst {max(times):.1f} ms over {len(times)}"
     if median >= 1.0:  # NOTE: a network round trip, not a local folder or loopback
-        at_once = cfg.io_concurrency(_codec_processes_here(cfg))
+        at_once = cfg.io_concurrency(_codec_processes_here(cfg)[0])
         per_s = at_once * 1000 / median
         detail += (
             f"; {at_once} GETs at once (io_threads {cfg.io_threads}) allow at most "
