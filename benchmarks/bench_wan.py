@@ -26,6 +26,11 @@ an 8K-token prompt) in the layout the connector hands to the store, TensorRT-LLM
   ``torch.load``.
 * ``wan.save_over_uncompressed`` (target 1.3), ``wan.stage_over_uncompressed`` (1.3),
   ``wan.save_over_seed`` (4), ``wan.stage_over_seed`` (4): ratios of the above.
+* ``wan.stored_get_MBps``: the objects the stage pass read, GET raw (no verify, no decode)
+  at the same concurrency through this process's client, counted in raw bytes like
+  ``wan.stage_MBps``: what the link and the server give for those objects.
+  ``wan.stage_over_stored_get`` (no target): the share of that the stage path gets; near 1,
+  what bounds staging is on the other side of the client (the link, the relay, the server).
 
 s3kv's rows name their ``codec`` (the configured one, or each ``--codec`` given, timed in
 turn within every round, each round starting with the next one, against the same baselines: a
@@ -334,6 +339,12 @@ def run_link(
                 staged = reader.staged(key)
                 if staged is None or staged.tobytes() != block.tobytes():
                     raise SystemExit("a staged block differs from the saved one")
+            # NOTE: the same objects GET raw (no verify, no decode) at the same concurrency
+            # through this process's client: what the link and the server give for them.
+            stored = [reader.object_key(k) for k in keys]
+            get_stored = functools.partial(get_raw, backend, stored)
+            run = functools.partial(parallel, threads, get_stored, len(stored))
+            keep(f"stored_get:{name}", measure(net, raw_bytes, False, run))
             reader.close()
 
         named = list(configs.items())
@@ -373,7 +384,7 @@ def run_link(
         phase = best[phase_name]
         emit(metric, phase.mbps, "MB/s", **phase.fields(link), **common)
     for codec in configs:
-        for what in ("save", "stage"):
+        for what in ("save", "stage", "stored_get"):
             phase = best[f"{what}:{codec}"]
             emit(f"wan.{what}_MBps", phase.mbps, "MB/s", **phase.fields(link), **common,
                  codec=codec)  # fmt: skip
@@ -393,6 +404,11 @@ def run_link(
         ceiling = ratio * bulk_gbps["up" if what == "save" else "down"] / wire if wire else 0.0
         emit(metric, ratio, "x", target=target, met=ratio >= target, cpu_bound=cpu_bound,
              link_util=utils, link_ceiling=round(ceiling, 3), **where,
+             rtt_measured_ms=round(rtt, 2), codec=codec)  # fmt: skip
+    for codec in configs:
+        stage, stored = best[f"stage:{codec}"], best[f"stored_get:{codec}"]
+        emit("wan.stage_over_stored_get", stage.mbps / stored.mbps, "x", **where,
+             link_util=[stage.fields(link)["link_util"], stored.fields(link)["link_util"]],
              rtt_measured_ms=round(rtt, 2), codec=codec)  # fmt: skip
 
 

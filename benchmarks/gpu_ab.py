@@ -774,7 +774,7 @@ def run_shape(label: str, shape: dict[str, Any], args: argparse.Namespace) -> di
         "prompts": prompts(shape["vocab"], prefix_tokens, args.trials, args.cold_repeats),
         "codec_processes": args.codec_processes, "engine_cpus": args.engine_cpus,
         "codec_cpus": args.codec_cpus, "bucket_dir": args.bucket_dir or tempfile.gettempdir(),
-        "cuda_graphs": args.cuda_graphs == "on",
+        "cuda_graphs": args.cuda_graphs == "on", "io_threads": args.io_threads,
     }  # fmt: skip
     # NOTE: the bucket stands for a remote one, whose writes cost this host no disk I/O; in
     # memory (tmpfs) neither do these. Two runs of each on an H100 host did not tell the two
@@ -783,7 +783,7 @@ def run_shape(label: str, shape: dict[str, Any], args: argparse.Namespace) -> di
         os.environ.update(
             connector_settings(bucket, "s3kv-ab", args.staging, args.codec_processes),
             TLLM_S3KV_WARM_START_BYTES=args.staging, TLLM_S3KV_CODEC_CPUS=args.codec_cpus,
-            S3KV_AB_ENGINE_CPUS=args.engine_cpus,
+            TLLM_S3KV_IO_THREADS=args.io_threads, S3KV_AB_ENGINE_CPUS=args.engine_cpus,
         )  # fmt: skip
         job["model_path"] = model_dir(bucket, label, shape)
         started = time.perf_counter()
@@ -855,7 +855,8 @@ def report(
         "codec_processes": job.get("codec_processes", 0),
         "codec_processes_run": ran,
         "engine_cpus": job.get("engine_cpus", ""), "codec_cpus": job.get("codec_cpus", "auto"),
-        "bucket_dir": job.get("bucket_dir", ""), "cuda_graphs": job.get("cuda_graphs", False),
+        "io_threads": job.get("io_threads", "auto"), "bucket_dir": job.get("bucket_dir", ""),
+        "cuda_graphs": job.get("cuda_graphs", False),
     }  # fmt: skip
     # NOTE: the floor is for a load: trials that loaded nothing (see below) are left out.
     loaded = [r["connector_tokens"] // TPB for r in read["trials"] if r["connector_tokens"]]
@@ -1025,6 +1026,9 @@ def main() -> int:
         "(e.g. 0-1); the codec processes then follow codec_cpus",
     )
     parser.add_argument("--codec-cpus", default="auto", help="the codec_cpus setting")
+    parser.add_argument(
+        "--io-threads", default="auto", help="the io_threads setting of the writer and reader"
+    )
     parser.add_argument("--device", default="cuda")
     parser.add_argument(
         "--bucket-dir",

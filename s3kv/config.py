@@ -189,6 +189,11 @@ def _plain(
 
 #: GET/PUT threads per worker (the I/O pool, or each codec process) for ``io_threads = auto``.
 IO_THREADS_PER_WORKER = 8
+#: Threads each codec process decodes and encodes on (at most its share of ``io_threads``).
+#: NOTE: why 2: ``codec_processes = auto`` runs one process per 4 CPUs of a rank's share, so
+#: the codec then takes at most half of the CPUs it sized from, whatever the requests in
+#: flight; the GPU A/B measured decode steps beside saves with 2 per process (4 processes).
+CODEC_THREADS_PER_PROCESS = 2
 
 #: Values of ``log_level`` (the ``logging`` levels by name; empty: leave the logger alone).
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
@@ -421,18 +426,20 @@ class S3KVConfig:
     )
     # --- engine ---
     io_threads: int | Literal["auto"] = _plain(
-        8,
+        "auto",
         "GET/PUT requests at once, >= 1, or auto: the I/O pool's threads (GET/PUT + codec "
-        "work), or with codec_processes the processes' threads in all. auto: "
-        f"{IO_THREADS_PER_WORKER} in the I/O pool, {IO_THREADS_PER_WORKER} per codec process "
-        "(for long links: a GET waits a round trip at least).",
+        "work), or with codec_processes the processes' request threads in all (each process "
+        f"codes on at most {CODEC_THREADS_PER_PROCESS} more). auto: {IO_THREADS_PER_WORKER} "
+        f"in the I/O pool, {IO_THREADS_PER_WORKER} per codec process (a GET waits a round "
+        "trip at least: a long link needs many in flight).",
         low=1,
     )
     codec_processes: int | Literal["auto"] = _plain(
         "auto",
         "Processes doing block GET/PUT and codec work, 0..64, or auto; 0 does it in the I/O "
         "threads. Off the engine's interpreter, they neither slow its forward loop nor share "
-        "its GIL (io_threads is then the total GET/PUT concurrency). auto: where the KV cache "
+        f"its GIL (io_threads is then the total GET/PUT concurrency; each codes on at most "
+        f"{CODEC_THREADS_PER_PROCESS} threads). auto: where the KV cache "
         "is on a GPU, one per 4 CPUs of the rank's share of the host, at most 4 a rank "
         "(s3kv.offload.sizing); elsewhere 0.",
         low=0,
@@ -825,6 +832,7 @@ __all__ = [
     "CodecName",
     "ConditionalPut",
     "ENV_PREFIX",
+    "CODEC_THREADS_PER_PROCESS",
     "IO_THREADS_PER_WORKER",
     "LOG_LEVELS",
     "S3KVConfig",

@@ -96,3 +96,4 @@ def test_the_gpu_ab_runs_on_the_cpu_and_every_trial_loads_its_prefix(tmp_path: P
     # codec_processes defaults to auto, which runs none where the KV cache is not on a GPU
     assert by_metric["gpu.load_overhead_ms"]["codec_processes"] == "auto"
     assert by_metric["gpu.load_overhead_ms"]["codec_processes_run"] == [0, 0]
+    assert by_metric["gpu.load_overhead_ms"]["io_threads"] == "auto"

@@ -5,8 +5,16 @@ It reads pickled lists of ``(job_id, job)`` from the socket ``FD`` (a
 runs them on its own threads (its own interpreter, its own GIL, its own bucket client) and
 writes back pickled :class:`~s3kv.offload.jobs.Outcomes`, as many as are ready per message.
 
-The first message is the setup: ``(config, secrets, sealing_id, accept_unsigned, threads)``.
-Then it answers ``("ready",)``, or ``("setup_failed", line)`` and exits.
+Each job is two steps (:mod:`s3kv.offload.work`): a request and codec work. They run on two
+kinds of threads: ``threads`` request threads (GET, PUT: they wait on the network) and
+``codec_threads`` codec threads (decode, encode: CPU). NOTE: why: a block GET waits a round
+trip at least, so a long link needs many GETs in flight (on a 10 Gbit/s link 10 ms away, 8
+in all staged 610 MB/s of blocks, 32 up to 1,460), while the CPUs the codec may take from
+the engine's host are few. On one kind of thread, every GET in flight was also a CPU that
+could code at once.
+
+The first message is the setup: ``(config, secrets, sealing_id, accept_unsigned, threads,
+codec_threads)``. Then it answers ``("ready",)``, or ``("setup_failed", line)`` and exits.
 
 It exits when the socket closes (its store closed, or its process died) — at once: a
 job still running then has nobody left to answer and nothing of it is needed.
@@ -17,18 +25,18 @@ from __future__ import annotations
 import dataclasses
 import os
 import pickle
-import queue
 import sys
 import threading
 import time
+from collections import deque
 from multiprocessing.connection import Connection
-from typing import Any
+from typing import Any, NamedTuple
 
 from s3kv.arena import SlabArena
 from s3kv.auth import Keyring
 from s3kv.config import S3KVConfig
 from s3kv.offload import work
-from s3kv.offload.jobs import Failure, FetchJob, Job, Outcome, Outcomes, SaveJobs
+from s3kv.offload.jobs import Failure, FetchJob, Job, Outcome, Outcomes, SaveJob, SaveJobs
 from s3kv.storage import Backend, open_backend
 
 #: How long the sender lets a fetch's outcome wait for others (far below a GET's time).
@@ -112,28 +120,191 @@ def _crash_outcome(job_id: int, job: Job, exc: BaseException) -> Outcome:
     return Outcome(job_id, False, 0.0, failure, False, 0, None)
 
 
-def _worker(
-    jobs: queue.SimpleQueue[tuple[int, Job]],
-    replies: _Replies,
-    backend: Backend,
-    arenas: _Arenas,
-    keyring: Keyring | None,
+class _Get(NamedTuple):
+    job_id: int
+    job: FetchJob
+
+
+class _Decode(NamedTuple):
+    job_id: int
+    job: FetchJob
+    fetched: work.Fetched
+
+
+class _Encode(NamedTuple):
+    job_id: int
+    job: SaveJob
+
+
+class _Put(NamedTuple):
+    job_id: int
+    job: SaveJob
+    encoded: work.Encoded
+
+
+class _Steps:
+    """The jobs of this process between their steps, handed to its two kinds of threads.
+
+    Each kind takes fetches' steps first: a request (a load) may wait on a fetch, nobody
+    waits on a save. At most ``ahead`` fetches are between the start of their GET and the
+    end of their decode, and at most ``ahead`` saves between the start of their encode and
+    the end of their PUT, so neither kind runs further ahead of the other than that: the
+    objects held between the steps are at most ``ahead`` each way.
+
+    Never stuck: a decode or a PUT, which end a job, is always taken when it waits; only
+    the steps that start one (a GET, an encode) wait for room.
+    """
+
+    def __init__(self, ahead: int) -> None:
+        lock = threading.Lock()
+        self._requests = threading.Condition(lock)  # a GET or a PUT may be taken
+        self._codecs = threading.Condition(lock)  # a decode or an encode may be taken
+        self._ahead = ahead
+        self._gets: deque[_Get] = deque()
+        self._puts: deque[_Put] = deque()
+        self._decodes: deque[_Decode] = deque()
+        self._encodes: deque[_Encode] = deque()
+        self._fetching = 0  # NOTE: GETs taken whose decode has not ended
+        self._saving = 0  # NOTE: encodes taken whose PUT has not ended
+
+    def add(self, job_id: int, job: Job) -> None:
+        """A job received: a fetch starts with its GET, a save with its encode."""
+        with self._requests:
+            if isinstance(job, FetchJob):
+                self._gets.append(_Get(job_id, job))
+                self._requests.notify()
+            else:
+                self._encodes.append(_Encode(job_id, job))
+                self._codecs.notify()
+
+    def next_request(self) -> _Get | _Put:
+        """The next request to make (waits for one)."""
+        with self._requests:
+            self._requests.wait_for(self._request_ready)
+            if self._gets and self._fetching < self._ahead:
+                self._fetching += 1
+                return self._gets.popleft()
+            return self._puts.popleft()
+
+    def next_codec(self) -> _Decode | _Encode:
+        """The next codec work to do (waits for some)."""
+        with self._codecs:
+            self._codecs.wait_for(self._codec_ready)
+            if self._decodes:
+                return self._decodes.popleft()
+            self._saving += 1
+            return self._encodes.popleft()
+
+    def fetched(self, step: _Decode) -> None:
+        """A GET brought its object: decode it."""
+        with self._codecs:
+            self._decodes.append(step)
+            self._codecs.notify()
+
+    def encoded(self, step: _Put) -> None:
+        """An encode made its object: PUT it."""
+        with self._requests:
+            self._puts.append(step)
+            self._requests.notify()
+
+    def fetch_ended(self) -> None:
+        """A fetch taken by :meth:`next_request` ended (after its GET or its decode)."""
+        with self._requests:
+            self._fetching -= 1
+            self._requests.notify()
+
+    def save_ended(self) -> None:
+        """A save taken by :meth:`next_codec` ended (after its encode or its PUT)."""
+        with self._codecs:
+            self._saving -= 1
+            self._codecs.notify()
+
+    def _request_ready(self) -> bool:
+        return bool(self._puts) or (bool(self._gets) and self._fetching < self._ahead)
+
+    def _codec_ready(self) -> bool:
+        return bool(self._decodes) or (bool(self._encodes) and self._saving < self._ahead)
+
+
+def _request_thread(steps: _Steps, replies: _Replies, backend: Backend) -> None:
+    while True:
+        step = steps.next_request()
+        if isinstance(step, _Get):
+            try:
+                got = work.get(step.job_id, step.job, backend)
+            except Exception as exc:  # NOTE: one broken job must not stop the others
+                got = _crash_outcome(step.job_id, step.job, exc)
+            if isinstance(got, Outcome):
+                steps.fetch_ended()
+                replies.put(got, urgent=True)
+            else:
+                steps.fetched(_Decode(step.job_id, step.job, got))
+        else:
+            try:
+                outcome = work.put(step.job_id, step.job, step.encoded, backend)
+            except Exception as exc:
+                outcome = _crash_outcome(step.job_id, step.job, exc)
+            steps.save_ended()
+            replies.put(outcome, urgent=False)
+
+
+def _codec_thread(
+    steps: _Steps, replies: _Replies, arenas: _Arenas, keyring: Keyring | None
 ) -> None:
     while True:
-        job_id, job = jobs.get()
+        step = steps.next_codec()
+        job = step.job
+        if isinstance(step, _Decode):
+            try:
+                arena = arenas.get(job.arena, job.slot_bytes)
+                outcome = work.decode(step.job_id, step.job, step.fetched, arena, keyring)
+            except Exception as exc:
+                outcome = _crash_outcome(step.job_id, job, exc)
+            steps.fetch_ended()
+            replies.put(outcome, urgent=True)
+            continue
         try:
             arena = arenas.get(job.arena, job.slot_bytes)
-            if isinstance(job, FetchJob):
-                outcome = work.fetch(job_id, job, backend, arena, keyring)
-            else:
-                outcome = work.save(job_id, job, backend, arena, keyring)
-        except Exception as exc:  # NOTE: one broken job must not stop the others
-            outcome = _crash_outcome(job_id, job, exc)
-        replies.put(outcome, urgent=isinstance(job, FetchJob))
+            encoded = work.encode(step.job_id, step.job, arena, keyring)
+        except Exception as exc:
+            encoded = _crash_outcome(step.job_id, job, exc)
+        if isinstance(encoded, Outcome):
+            steps.save_ended()
+            replies.put(encoded, urgent=False)
+        else:
+            steps.encoded(_Put(step.job_id, step.job, encoded))
 
 
-def _setup(message: Any) -> tuple[Backend, Keyring | None, int]:
-    config, secrets, sealing_id, accept_unsigned, threads = message
+def _start(
+    replies: _Replies,
+    backend: Backend,
+    keyring: Keyring | None,
+    *,
+    threads: int,
+    codec_threads: int,
+) -> _Steps:
+    """Start the process's request and codec threads; jobs added to the result run."""
+    steps = _Steps(ahead=threads + codec_threads)
+    arenas = _Arenas()
+    for i in range(threads):
+        threading.Thread(
+            target=_request_thread,
+            args=(steps, replies, backend),
+            name=f"s3kv-request-{i}",
+            daemon=True,
+        ).start()
+    for i in range(codec_threads):
+        threading.Thread(
+            target=_codec_thread,
+            args=(steps, replies, arenas, keyring),
+            name=f"s3kv-codec-{i}",
+            daemon=True,
+        ).start()
+    return steps
+
+
+def _setup(message: Any) -> tuple[Backend, Keyring | None, int, int]:
+    config, secrets, sealing_id, accept_unsigned, threads, codec_threads = message
     if not isinstance(config, S3KVConfig):
         raise TypeError("the first message is not a setup")
     keyring = Keyring(dict(secrets), sealing_id, accept_unsigned) if secrets else None
@@ -141,7 +312,7 @@ def _setup(message: Any) -> tuple[Backend, Keyring | None, int]:
     # while the bucket is down (a degraded start) would fail for good. The store's probe
     # decides instead: each SaveJob says whether to PUT conditionally (if_absent).
     config = dataclasses.replace(config, conditional_put="on")
-    return open_backend(config), keyring, int(threads)
+    return open_backend(config), keyring, max(1, int(threads)), max(1, int(codec_threads))
 
 
 def main(fd: int) -> None:
@@ -150,24 +321,16 @@ def main(fd: int) -> None:
     os.environ.pop("PYTHONSAFEPATH", None)
     conn = Connection(fd)
     try:
-        backend, keyring, threads = _setup(pickle.loads(conn.recv_bytes()))
+        backend, keyring, threads, codec_threads = _setup(pickle.loads(conn.recv_bytes()))
     except EOFError:
         return
     except Exception as exc:  # NOTE: reported to the store, which logs one line
         conn.send_bytes(pickle.dumps(("setup_failed", f"{type(exc).__name__}: {exc}")))
         return
     conn.send_bytes(pickle.dumps(("ready",)))
-    jobs: queue.SimpleQueue[tuple[int, Job]] = queue.SimpleQueue()
     replies = _Replies(conn)
-    arenas = _Arenas()
     threading.Thread(target=replies.run, name="s3kv-codec-send", daemon=True).start()
-    for i in range(max(1, threads)):
-        threading.Thread(
-            target=_worker,
-            args=(jobs, replies, backend, arenas, keyring),
-            name=f"s3kv-codec-{i}",
-            daemon=True,
-        ).start()
+    steps = _start(replies, backend, keyring, threads=threads, codec_threads=codec_threads)
     while True:
         try:
             batch = pickle.loads(conn.recv_bytes())
@@ -177,9 +340,9 @@ def main(fd: int) -> None:
         for first, job in batch:
             if isinstance(job, SaveJobs):  # NOTE: many saves in one item; ids follow on
                 for row, save in enumerate(job.jobs()):
-                    jobs.put((first + row, save))
+                    steps.add(first + row, save)
             else:
-                jobs.put((first, job))
+                steps.add(first, job)
 
 
 __all__ = ["main"]

@@ -41,7 +41,7 @@ from multiprocessing import connection
 from multiprocessing.connection import Connection
 
 from s3kv.auth import Keyring
-from s3kv.config import S3KVConfig
+from s3kv.config import CODEC_THREADS_PER_PROCESS, S3KVConfig
 from s3kv.offload import affinity
 from s3kv.offload.jobs import Failure, Job, Outcome, Outcomes, SaveJobs
 
@@ -87,12 +87,14 @@ def _pin(pids: Sequence[int], cpus: frozenset[int]) -> None:
 
 
 class CodecProcesses:
-    """``processes`` codec processes, each running ``threads`` jobs at a time.
+    """``processes`` codec processes, each with ``threads`` requests in flight at most and
+    its codec work on at most :data:`~s3kv.config.CODEC_THREADS_PER_PROCESS` threads
+    (:mod:`s3kv.offload.child` says why the two are apart).
 
     Args:
         config: Settings; each process opens its own bucket client from them.
         processes: How many processes (>= 1).
-        threads: Jobs each process runs at once (its GET/PUT concurrency).
+        threads: GETs and PUTs each process makes at once (its request threads).
         keyring: Block keys, handed to the processes over their private sockets.
         cpus: The CPUs the processes may run on (:mod:`s3kv.offload.affinity`); None keeps
             the mask they inherit from this process.
@@ -126,6 +128,7 @@ class CodecProcesses:
             keyring.sealing_id if keyring is not None else "",
             keyring.accept_unsigned if keyring is not None else False,
             threads,
+            max(1, min(threads, CODEC_THREADS_PER_PROCESS)),
         )
         self._children = [self._spawn(i) for i in range(max(1, processes))]
         if cpus is not None:
