@@ -38,7 +38,10 @@ side-by-side comparison).
 
 MB/s are raw (uncompressed) bytes per second, best of the rounds. Every row carries the
 link (``link_Gbps``, ``rtt_ms``); throughput rows add ``wire_Gbps`` (bytes on the veth,
-headers included), ``link_util`` (wire / link rate) and ``cpu_busy`` (share of all cores
+headers included), ``link_util`` (wire / link rate), ``tbf_dropped`` and
+``tcp_retransmitted`` (packets the link's queue dropped in the phase's direction, TCP
+segments the client side resent: each can stall a connection for a 200 ms timeout) and
+``cpu_busy`` (share of all cores
 busy machine-wide, other processes included). A ratio's ``cpu_bound`` is true when either
 side ran with the machine's cores at least 90 % busy: then the link was not what limited it
 (client, relay and server share this machine's cores, and other work on the machine counts);
@@ -56,6 +59,7 @@ tokens), for a machine without the model wheel; rows then name the file.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import itertools
 import json
@@ -105,6 +109,8 @@ class Phase:
     wire_bytes: int
     cpu_busy: float
     cpu_s: dict[str, float]
+    dropped: int  # NOTE: packets tbf dropped in the phase's direction
+    retransmitted: int  # NOTE: TCP segments the client's namespace retransmitted
 
     @property
     def mbps(self) -> float:
@@ -116,6 +122,8 @@ class Phase:
             "wire_Gbps": round(wire_gbps, 3),
             "link_util": round(wire_gbps / link.gbit, 3),
             "cpu_busy": round(self.cpu_busy, 3),
+            "tbf_dropped": self.dropped,
+            "tcp_retransmitted": self.retransmitted,
             **{f"{k}_cores": round(v / self.seconds, 2) for k, v in self.cpu_s.items()},
         }
 
@@ -128,6 +136,7 @@ def measure(
     children: Sequence[int] = (),
 ) -> Phase:
     """Time ``fn``; the client's CPU counts its codec processes (``children``) too."""
+    up0, down0, re0 = net.losses()
     busy0, total0 = cpu_times()
     tx0, rx0 = net.wire_bytes()
     procs0, cpu0 = net.process_cpu(), time.process_time() + pids_cpu_s(children)
@@ -138,12 +147,15 @@ def measure(
     cpu.update({k: v - procs0.get(k, 0.0) for k, v in net.process_cpu().items()})
     tx1, rx1 = net.wire_bytes()
     busy1, total1 = cpu_times()
+    up1, down1, re1 = net.losses()
     return Phase(
         seconds=seconds,
         raw_bytes=raw_bytes,
         wire_bytes=(tx1 - tx0) if upload else (rx1 - rx0),
         cpu_busy=(busy1 - busy0) / max(total1 - total0, 1.0),
         cpu_s=cpu,
+        dropped=(up1 - up0) if upload else (down1 - down0),
+        retransmitted=re1 - re0,
     )
 
 
@@ -254,7 +266,7 @@ def run_link(
     blocks = [base[i % len(base)] for i in range(count)]
     warm_count = min(threads, count)  # NOTE: one block per connection the pass can use
     raw_bytes = sum(b.nbytes for b in blocks)
-    where = {"link_Gbps": link.gbit, "rtt_ms": link.rtt_ms}
+    where = {"link_Gbps": link.gbit, "rtt_ms": link.rtt_ms, "queue_MiB": link.queue >> 20}
     bulk_gbps: dict[str, float] = {}
     with ShapedS3(link) as net:
         os.environ.update(net.env())
@@ -463,6 +475,10 @@ def main() -> int:
         help="s3kv's codec (repeat to compare codecs side by side; default: the configured)",
     )
     parser.add_argument(
+        "--queue-mb", type=int, default=64,
+        help="the link's queue each way, MiB (tbf's limit; 4 MB per busy connection fills it)",
+    )  # fmt: skip
+    parser.add_argument(
         "--kv-file", default="", help="a .npy of SmolLM2's KV ([layers, 2, tokens, heads, dim])"
     )
     parser.add_argument(
@@ -489,7 +505,8 @@ def main() -> int:
         if args.link and link.gbit not in args.link:
             continue
         try:
-            run_link(link, base, rounds=rounds, seed_rounds=seed_rounds, count=args.blocks,
+            queued = dataclasses.replace(link, queue=args.queue_mb << 20)
+            run_link(queued, base, rounds=rounds, seed_rounds=seed_rounds, count=args.blocks,
                      threads=args.threads,
                      tag=tag, kv=args.kv_file or "computed",
                      processes=args.codec_processes, codecs=args.codec)  # fmt: skip

@@ -39,11 +39,14 @@ class LinkSpec:
         gbit: Rate in Gbit/s (10^9 bits), each direction.
         rtt_ms: Round trip added by the relay (half each way).
         window: Bytes a connection may have in flight per direction over one RTT.
+        queue: Bytes the link's queue holds each way before it drops (tbf's limit, at least
+            50 ms at the rate). TCP Small Queues lets each connection put up to 4 MB in it.
     """
 
     gbit: float
     rtt_ms: float
     window: int = 6 * 1024 * 1024
+    queue: int = 64 * 1024 * 1024
 
     def __post_init__(self) -> None:
         if self.gbit <= 0 or self.rtt_ms < 0 or self.window < 64 * 1024:
@@ -117,11 +120,11 @@ def free_subnet() -> int:
 def tbf(link: LinkSpec) -> list[str]:
     rate = link.bytes_per_s
     # NOTE: the bucket must hold a timer tick's worth of bytes (4 ms covers HZ=250) and a
-    # 64 KiB GSO packet, or tbf cannot reach the rate. The queue is deep so that it never
-    # drops (see the package docstring); TCP Small Queues (4 MB per socket here) bounds
-    # what each connection puts in it.
+    # 64 KiB GSO packet, or tbf cannot reach the rate. The queue is deep so that it
+    # drops rarely (see the package docstring); TCP Small Queues (4 MB per socket here)
+    # bounds what each connection puts in it, so 16 busy connections fill 64 MiB.
     burst = int(max(rate * 0.004, 256 * 1024))
-    limit = int(max(rate * 0.050, 64 * 1024 * 1024)) + burst
+    limit = int(max(rate * 0.050, link.queue)) + burst
     return ["tbf", "rate", f"{int(link.gbit * 1e9)}bit", "burst", str(burst), "limit", str(limit)]
 
 

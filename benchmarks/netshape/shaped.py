@@ -5,6 +5,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import os
+import re
 import shutil
 import signal
 import socket
@@ -241,6 +242,15 @@ class ShapedS3:
         stats = Path(f"/sys/class/net/{self.host_link}/statistics")
         return int((stats / "tx_bytes").read_text()), int((stats / "rx_bytes").read_text())
 
+    def losses(self) -> tuple[int, int, int]:
+        """So far: packets tbf dropped on the upload queue (client → server) and on the
+        download queue, and TCP segments this (the client's) namespace retransmitted. A
+        saturated queue that drops shows here; each drop of a segment can stall its
+        connection for TCP's 200 ms minimum retransmission timeout."""
+        up = _tbf_dropped(["tc", "-s", "qdisc", "show", "dev", self.host_link])
+        down = _tbf_dropped(["tc", "-n", self.ns, "-s", "qdisc", "show", "dev", self.ns_link])
+        return up, down, _retransmitted()
+
     def process_cpu(self) -> dict[str, float]:
         """CPU seconds used so far by the S3 server (``server``) and the relay (``relay``)."""
         tick = os.sysconf("SC_CLK_TCK")
@@ -310,3 +320,22 @@ class ShapedS3:
         if errors:
             raise errors[0]
         return per_stream * streams * 8 / elapsed / 1e9
+
+
+def _tbf_dropped(command: list[str]) -> int:
+    """Packets dropped so far by the qdiscs ``tc -s qdisc show`` lists (-1: unreadable)."""
+    try:
+        text = subprocess.run(command, capture_output=True, text=True, check=True).stdout
+    except (OSError, subprocess.CalledProcessError):
+        return -1
+    return sum(int(n) for n in re.findall(r"dropped (\d+)", text))
+
+
+def _retransmitted() -> int:
+    """TCP segments this network namespace has retransmitted (``RetransSegs``; -1: unknown)."""
+    try:
+        lines = [line.split() for line in Path("/proc/net/snmp").read_text().splitlines()]
+    except OSError:
+        return -1
+    names, values = [row for row in lines if row and row[0] == "Tcp:"][:2]
+    return int(values[names.index("RetransSegs")])
