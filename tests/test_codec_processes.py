@@ -132,6 +132,21 @@ def save_blocks(store: KVStore, ids: list[BlockHash], *, salt: int = 0) -> list[
     return consumed
 
 
+def test_each_process_makes_its_share_of_the_requests_and_codes_on_at_most_two_threads(
+    bucket: Path, open_stores: list[KVStore]
+) -> None:
+    # io_threads auto: 8 requests per process however few CPUs code; a number is the total.
+    auto = open_store(file_config(bucket, io_threads="auto", codec_processes=3), open_stores)
+    assert auto._offload is not None
+    assert (auto._offload.threads, auto._offload.codec_threads) == (8, 2)
+    total = open_store(file_config(bucket, io_threads=3), open_stores)
+    assert total._offload is not None
+    assert (total._offload.threads, total._offload.codec_threads) == (2, 2)
+    one = open_store(file_config(bucket, io_threads=1, codec_processes=1), open_stores)
+    assert one._offload is not None
+    assert (one._offload.threads, one._offload.codec_threads) == (1, 1)
+
+
 def test_blocks_round_trip_through_codec_processes(
     bucket: Path, no_local_codec: None, open_stores: list[KVStore]
 ) -> None:

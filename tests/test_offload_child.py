@@ -130,7 +130,7 @@ def test_a_process_keeps_8_requests_in_flight_while_it_codes_on_2_threads(
 ) -> None:
     # A long link needs many GETs in flight; the engine's host can spare few CPUs for the
     # codec. One kind of thread for both made every GET in flight a possible encode at once.
-    requests, codecs = Peak(0.05), Peak(0.01)
+    requests, codecs = Peak(0.1), Peak(0.005)
     monkeypatch.setattr(work, "decode", codecs(work.decode))
     monkeypatch.setattr(work, "encode", codecs(work.encode))
     bucket = SlowBucket(requests)
@@ -172,18 +172,17 @@ def wait_for_outcomes(wire: Wire, count: int) -> list[Outcome]:
         time.sleep(0.01)
 
 
-def test_fetches_go_first_and_neither_step_runs_ahead_of_the_other_by_more_than_ahead() -> None:
-    arena_path, raw = "/nowhere", b"x"
+SAVE = SaveJob("s", "/nowhere", 8, 0, 8, "uint8", (8,), 0, 1, False)
+FETCH = FetchJob("f", "/nowhere", 8, 0, 16)
+RAW = b"x"
+
+
+def test_neither_step_runs_ahead_of_the_other_by_more_than_ahead() -> None:
     steps = _Steps(ahead=2)
-    save = SaveJob("s", arena_path, 8, 0, 8, "uint8", (8,), 0, 1, False)
-    fetch = FetchJob("f", arena_path, 8, 0, 16)
     for i in range(4):
-        steps.add(i, save)
-    steps.add(10, fetch)
-    steps.add(11, fetch)
-    steps.add(12, fetch)
-    # A load may wait on a fetch, nobody on a save: the codec threads would decode first,
-    # the request threads GET first; and at most 2 fetches are between GET and decode.
+        steps.add(i, SAVE)
+    for i in (10, 11, 12):
+        steps.add(i, FETCH)
     assert [steps.next_request().job_id for _ in range(2)] == [10, 11]
     assert [steps.next_codec().job_id for _ in range(2)] == [0, 1]  # NOTE: no decode yet
     taken = queue.SimpleQueue[int]()
@@ -196,11 +195,32 @@ def test_fetches_go_first_and_neither_step_runs_ahead_of_the_other_by_more_than_
     # Two GETs await their decodes and two encodes their PUTs: nothing more starts.
     with pytest.raises(queue.Empty):
         taken.get(timeout=0.1)
-    steps.fetched(_Decode(10, fetch, work.Fetched(raw, 0.0)))
-    steps.encoded(_Put(0, save, work.Encoded(raw)))
-    # Steps that end a job are always taken: the decode, then the PUT.
+    steps.got(_Decode(10, FETCH, work.Fetched(RAW, 0.0)))
+    steps.encoded(_Put(0, SAVE, work.Encoded(RAW)))
+    # Steps that end a job are never gated: the decode, and the PUT, are taken.
     assert {taken.get(timeout=5), taken.get(timeout=5)} == {10, 0}
-    steps.fetch_ended()  # NOTE: fetch 10 decoded: GET 12 may start
-    steps.save_ended()  # NOTE: save 0 PUT: encode 2 may start
+    steps.decoded()  # NOTE: fetch 10 ended: GET 12 may start
+    steps.put_done()  # NOTE: save 0 ended: encode 2 may start
     assert steps.next_request().job_id == 12
     assert steps.next_codec().job_id == 2
+
+
+def test_fetches_go_first_and_saves_keep_one_put_going_under_a_run_of_loads() -> None:
+    # A load may wait on a fetch, nobody on a save; but a run of loads must not stop saves,
+    # whose bytes in flight would fill up and drop new ones.
+    steps = _Steps(ahead=8)
+    steps.add(0, SAVE)
+    steps.add(1, SAVE)
+    for i in (10, 11, 12, 13):
+        steps.add(i, FETCH)
+    assert steps.next_codec().job_id == 0
+    steps.encoded(_Put(0, SAVE, work.Encoded(RAW)))
+    # The GET before the PUT that waited first; then the PUT (none running); then GETs.
+    assert [steps.next_request().job_id for _ in range(3)] == [10, 0, 11]
+    steps.got(_Decode(10, FETCH, work.Fetched(RAW, 0.0)))
+    assert steps.next_codec().job_id == 10  # NOTE: the decode before encode 1, queued first
+    assert steps.next_codec().job_id == 1
+    steps.encoded(_Put(1, SAVE, work.Encoded(RAW)))
+    assert steps.next_request().job_id == 12  # NOTE: PUT 0 still runs: the GET first
+    steps.put_done()
+    assert [steps.next_request().job_id for _ in range(2)] == [1, 13]

@@ -145,14 +145,21 @@ class _Put(NamedTuple):
 class _Steps:
     """The jobs of this process between their steps, handed to its two kinds of threads.
 
-    Each kind takes fetches' steps first: a request (a load) may wait on a fetch, nobody
-    waits on a save. At most ``ahead`` fetches are between the start of their GET and the
-    end of their decode, and at most ``ahead`` saves between the start of their encode and
-    the end of their PUT, so neither kind runs further ahead of the other than that: the
-    objects held between the steps are at most ``ahead`` each way.
+    Fetches go first: a load may wait on a fetch, nobody waits on a save. The codec threads
+    decode before they encode. The request threads GET before they PUT, except that while
+    PUTs wait, one of them is always being made (a PUT is taken when none is running and the
+    last request taken was a GET): under a long run of loads saves still go on, one at a
+    time, and their in-flight bytes drain.
 
-    Never stuck: a decode or a PUT, which end a job, is always taken when it waits; only
-    the steps that start one (a GET, an encode) wait for room.
+    At most ``ahead`` fetches are between the start of their GET and the end of their
+    decode, and at most ``ahead`` saves between the start of their encode and the end of
+    their PUT, so neither kind runs further ahead of the other than that: the objects held
+    between the steps are at most ``ahead`` each way.
+
+    Never stuck: a decode or a PUT, which end a job, is never gated; only the steps that
+    start one (a GET, an encode) wait for room. Every event below makes at most one more
+    step takeable and wakes one thread of the kind that takes it, and a thread waits only
+    when it found none.
     """
 
     def __init__(self, ahead: int) -> None:
@@ -164,8 +171,10 @@ class _Steps:
         self._puts: deque[_Put] = deque()
         self._decodes: deque[_Decode] = deque()
         self._encodes: deque[_Encode] = deque()
-        self._fetching = 0  # NOTE: GETs taken whose decode has not ended
-        self._saving = 0  # NOTE: encodes taken whose PUT has not ended
+        self._fetching = 0  # NOTE: GETs taken whose fetch has not ended
+        self._saving = 0  # NOTE: encodes taken whose save has not ended
+        self._putting = 0  # NOTE: PUTs taken and not done (only picks GET or PUT first)
+        self._last_get = False  # NOTE: the last request taken was a GET
 
     def add(self, job_id: int, job: Job) -> None:
         """A job received: a fetch starts with its GET, a save with its encode."""
@@ -181,9 +190,13 @@ class _Steps:
         """The next request to make (waits for one)."""
         with self._requests:
             self._requests.wait_for(self._request_ready)
-            if self._gets and self._fetching < self._ahead:
+            put_due = bool(self._puts) and not self._putting and self._last_get
+            if self._gets and self._fetching < self._ahead and not put_due:
                 self._fetching += 1
+                self._last_get = True
                 return self._gets.popleft()
+            self._putting += 1
+            self._last_get = False
             return self._puts.popleft()
 
     def next_codec(self) -> _Decode | _Encode:
@@ -195,29 +208,38 @@ class _Steps:
             self._saving += 1
             return self._encodes.popleft()
 
-    def fetched(self, step: _Decode) -> None:
-        """A GET brought its object: decode it."""
-        with self._codecs:
-            self._decodes.append(step)
-            self._codecs.notify()
-
-    def encoded(self, step: _Put) -> None:
-        """An encode made its object: PUT it."""
+    def got(self, step: _Decode | None) -> None:
+        """A GET returned: its object to decode, or None when the fetch ended there."""
         with self._requests:
-            self._puts.append(step)
-            self._requests.notify()
+            if step is None:
+                self._fetching -= 1
+                self._requests.notify()  # NOTE: room for a GET
+            else:
+                self._decodes.append(step)
+                self._codecs.notify()
 
-    def fetch_ended(self) -> None:
-        """A fetch taken by :meth:`next_request` ended (after its GET or its decode)."""
+    def decoded(self) -> None:
+        """A decode ended its fetch."""
         with self._requests:
             self._fetching -= 1
-            self._requests.notify()
+            self._requests.notify()  # NOTE: room for a GET
 
-    def save_ended(self) -> None:
-        """A save taken by :meth:`next_codec` ended (after its encode or its PUT)."""
-        with self._codecs:
+    def encoded(self, step: _Put | None) -> None:
+        """An encode returned: its object to PUT, or None when the save ended there."""
+        with self._requests:
+            if step is None:
+                self._saving -= 1
+                self._codecs.notify()  # NOTE: room for an encode
+            else:
+                self._puts.append(step)
+                self._requests.notify()
+
+    def put_done(self) -> None:
+        """A PUT ended its save."""
+        with self._requests:
+            self._putting -= 1
             self._saving -= 1
-            self._codecs.notify()
+            self._codecs.notify()  # NOTE: room for an encode
 
     def _request_ready(self) -> bool:
         return bool(self._puts) or (bool(self._gets) and self._fetching < self._ahead)
@@ -235,16 +257,16 @@ def _request_thread(steps: _Steps, replies: _Replies, backend: Backend) -> None:
             except Exception as exc:  # NOTE: one broken job must not stop the others
                 got = _crash_outcome(step.job_id, step.job, exc)
             if isinstance(got, Outcome):
-                steps.fetch_ended()
+                steps.got(None)
                 replies.put(got, urgent=True)
             else:
-                steps.fetched(_Decode(step.job_id, step.job, got))
+                steps.got(_Decode(step.job_id, step.job, got))
         else:
             try:
                 outcome = work.put(step.job_id, step.job, step.encoded, backend)
             except Exception as exc:
                 outcome = _crash_outcome(step.job_id, step.job, exc)
-            steps.save_ended()
+            steps.put_done()
             replies.put(outcome, urgent=False)
 
 
@@ -260,7 +282,7 @@ def _codec_thread(
                 outcome = work.decode(step.job_id, step.job, step.fetched, arena, keyring)
             except Exception as exc:
                 outcome = _crash_outcome(step.job_id, job, exc)
-            steps.fetch_ended()
+            steps.decoded()
             replies.put(outcome, urgent=True)
             continue
         try:
@@ -269,7 +291,7 @@ def _codec_thread(
         except Exception as exc:
             encoded = _crash_outcome(step.job_id, job, exc)
         if isinstance(encoded, Outcome):
-            steps.save_ended()
+            steps.encoded(None)
             replies.put(encoded, urgent=False)
         else:
             steps.encoded(_Put(step.job_id, step.job, encoded))

@@ -121,14 +121,17 @@ class CodecProcesses:
         self._changed = threading.Condition(self._lock)  # a process set up, drained or died
         self._next_id = 0  # NOTE: job ids, under the lock
         self._closing = False
+        #: Requests each process makes at once, and threads it decodes and encodes on.
+        self.threads = max(1, threads)
+        self.codec_threads = min(self.threads, CODEC_THREADS_PER_PROCESS)
         secrets = dict(keyring.secrets) if keyring is not None else {}
         setup = (
             config,
             secrets,
             keyring.sealing_id if keyring is not None else "",
             keyring.accept_unsigned if keyring is not None else False,
-            threads,
-            max(1, min(threads, CODEC_THREADS_PER_PROCESS)),
+            self.threads,
+            self.codec_threads,
         )
         self._children = [self._spawn(i) for i in range(max(1, processes))]
         if cpus is not None:
