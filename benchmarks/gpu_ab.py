@@ -490,7 +490,8 @@ def writer(rank: int, world: int, job: dict[str, Any]) -> dict[str, Any]:
                 settle(executor)
                 row[name]["cold_ttft_ms"].append(extra["ttft_ms"])
         rows.append(row)
-        _log(job, f"writer trial {k}: a={row['conn']['reuse']['ttft_ms']:.2f} ms")
+        cold = {name: [round(t, 2) for t in row[name]["cold_ttft_ms"]] for name in row}
+        _log(job, f"writer trial {k}: a={row['conn']['reuse']['ttft_ms']:.2f} ms, cold {cold}")
     if job["profile"]:
         prefix, s1, s2 = job["prompts"]["profile"]
         for name, executor in (("cold-ref", ref), ("cold", conn)):
@@ -674,7 +675,9 @@ def profiled(job: dict[str, Any], name: str, run: Any) -> None:
 
 
 def _log(job: dict[str, Any], message: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {job['label']}: {message}", flush=True)
+    now = time.time()
+    stamp = time.strftime("%H:%M:%S", time.localtime(now)) + f".{int(now * 1000) % 1000:03d}"
+    print(f"[{stamp}] {job['label']}: {message}", flush=True)
 
 
 def scatter_bandwidth(pool: torch.Tensor, block_ids: list[int], reps: int = 7) -> dict[str, float]:
