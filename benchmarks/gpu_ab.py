@@ -583,7 +583,10 @@ def reader(rank: int, world: int, job: dict[str, Any]) -> dict[str, Any]:
         profiled(job, "b", lambda: measured(conn, prefix + s2, job["new_tokens"], None))
         settle(conn)
     metrics, staged = _connector_metrics()
-    load_blocks = rows[-1]["blocks"][: rows[-1]["connector_tokens"] // TPB] if rows else []
+    # NOTE: the last trial that loaded: with more trials than the warm start holds (15 of
+    # SmolLM2's with 3 cold repeats against 6 GiB), the last one may have loaded nothing.
+    loaded = [r for r in rows if r["connector_tokens"]]
+    load_blocks = loaded[-1]["blocks"][: loaded[-1]["connector_tokens"] // TPB] if loaded else []
     scatter = scatter_bandwidth(conn.pool, load_blocks)
     _close_connector()
     return {
