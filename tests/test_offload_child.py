@@ -14,7 +14,7 @@ import pytest
 
 from s3kv import codec
 from s3kv.arena import SlabArena
-from s3kv.offload import Outcome, Outcomes, work
+from s3kv.offload import Outcome, Outcomes, child, work
 from s3kv.offload.child import _SAVE_COALESCE_S, _Decode, _Put, _Replies, _start, _Steps
 from s3kv.offload.jobs import FetchJob, SaveJob
 from s3kv.storage.memory import MemoryBackend
@@ -224,3 +224,22 @@ def test_fetches_go_first_and_saves_keep_one_put_going_under_a_run_of_loads() ->
     assert steps.next_request().job_id == 12  # NOTE: PUT 0 still runs: the GET first
     steps.put_done()
     assert [steps.next_request().job_id for _ in range(2)] == [1, 13]
+
+
+def test_a_thread_that_meets_a_base_exception_ends_the_process_not_silently_its_job(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # A dead thread would leave its job without an outcome and the store waiting for ever;
+    # an exited process has its jobs failed by the store once it is gone.
+    exits: queue.SimpleQueue[int] = queue.SimpleQueue()
+    monkeypatch.setattr(child.os, "_exit", exits.put)
+
+    class Interrupted(MemoryBackend):
+        def get(self, key: str, *, max_bytes: int | None = None) -> bytes | None:
+            raise KeyboardInterrupt
+
+    _, replies = sender()
+    steps = _start(replies, Interrupted(), None, threads=1, codec_threads=1)
+    replies.expect(1)
+    steps.add(0, FETCH)
+    assert exits.get(timeout=5) == child._THREAD_DIED

@@ -29,6 +29,7 @@ import sys
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from multiprocessing.connection import Connection
 from typing import Any, NamedTuple
 
@@ -297,6 +298,25 @@ def _codec_thread(
             steps.encoded(_Put(step.job_id, step.job, encoded))
 
 
+#: The exit status of a process whose thread met a BaseException (EX_SOFTWARE).
+_THREAD_DIED = 70
+
+
+def _or_exit(loop: Callable[..., None], *args: Any) -> None:
+    """Run a thread's loop, which never returns; if anything escapes it (a BaseException:
+    the loops turn every Exception of a step into its job's outcome), end the process.
+
+    NOTE: why: a dead thread leaves its job without an outcome and the steps' counts one
+    too high; with 2 codec threads, two such deaths stop every decode while the store
+    waits for outcomes that never come. A process that exits instead fails its jobs in the
+    store once it is gone (its slots then free), and the store says so.
+    """
+    try:
+        loop(*args)
+    except BaseException:
+        os._exit(_THREAD_DIED)
+
+
 def _start(
     replies: _Replies,
     backend: Backend,
@@ -310,15 +330,15 @@ def _start(
     arenas = _Arenas()
     for i in range(threads):
         threading.Thread(
-            target=_request_thread,
-            args=(steps, replies, backend),
+            target=_or_exit,
+            args=(_request_thread, steps, replies, backend),
             name=f"s3kv-request-{i}",
             daemon=True,
         ).start()
     for i in range(codec_threads):
         threading.Thread(
-            target=_codec_thread,
-            args=(steps, replies, arenas, keyring),
+            target=_or_exit,
+            args=(_codec_thread, steps, replies, arenas, keyring),
             name=f"s3kv-codec-{i}",
             daemon=True,
         ).start()
