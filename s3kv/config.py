@@ -588,13 +588,16 @@ class S3KVConfig:
     def io_concurrency(self, processes: int = 0) -> int:
         """GET/PUT requests at once with ``processes`` codec processes (0: the I/O pool's
         threads): ``io_threads``, or for ``auto`` :data:`IO_THREADS_PER_WORKER` per worker.
+        With processes a number is split over them, each making at least one and the same
+        share (so 5 over 4 processes is 8): a multiple of ``processes``.
 
         Why 8 per codec process: a block GET waits a round trip at least, so on a 10 Gbit/s
         link 10 ms away 8 GETs at once staged 610 MB/s of blocks and 32 (4 processes of 8)
         1,303-1,460 MB/s, where 64 gave no more (README, WAN figures)."""
-        if isinstance(self.io_threads, int):
-            return self.io_threads
-        return IO_THREADS_PER_WORKER * max(1, processes)
+        workers = max(1, processes)
+        if not isinstance(self.io_threads, int):
+            return IO_THREADS_PER_WORKER * workers
+        return -(-self.io_threads // workers) * workers
 
     def lora_revision_map(self) -> dict[int, str]:
         """``lora_revisions`` parsed: adapter revision by LoRA task id (valid once built)."""

@@ -1626,7 +1626,7 @@ def _start_codec_processes(
         offload = CodecProcesses(
             config,
             processes=processes,
-            threads=-(-config.io_concurrency(processes) // processes),
+            threads=config.io_concurrency(processes) // processes,
             keyring=keyring,
             cpus=placement.cpus if placement is not None else None,
         )

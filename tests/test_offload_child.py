@@ -195,12 +195,12 @@ def test_neither_step_runs_ahead_of_the_other_by_more_than_ahead() -> None:
     # Two GETs await their decodes and two encodes their PUTs: nothing more starts.
     with pytest.raises(queue.Empty):
         taken.get(timeout=0.1)
-    steps.got(_Decode(10, FETCH, work.Fetched(RAW, 0.0)))
+    steps.fetched(_Decode(10, FETCH, work.Fetched(RAW, 0.0)))
     steps.encoded(_Put(0, SAVE, work.Encoded(RAW)))
     # Steps that end a job are never gated: the decode, and the PUT, are taken.
     assert {taken.get(timeout=5), taken.get(timeout=5)} == {10, 0}
-    steps.decoded()  # NOTE: fetch 10 ended: GET 12 may start
-    steps.put_done()  # NOTE: save 0 ended: encode 2 may start
+    steps.fetch_ended()  # NOTE: fetch 10 ended: GET 12 may start
+    steps.save_ended(put=True)  # NOTE: save 0 ended: encode 2 may start
     assert steps.next_request().job_id == 12
     assert steps.next_codec().job_id == 2
 
@@ -217,12 +217,12 @@ def test_fetches_go_first_and_saves_keep_one_put_going_under_a_run_of_loads() ->
     steps.encoded(_Put(0, SAVE, work.Encoded(RAW)))
     # The GET before the PUT that waited first; then the PUT (none running); then GETs.
     assert [steps.next_request().job_id for _ in range(3)] == [10, 0, 11]
-    steps.got(_Decode(10, FETCH, work.Fetched(RAW, 0.0)))
+    steps.fetched(_Decode(10, FETCH, work.Fetched(RAW, 0.0)))
     assert steps.next_codec().job_id == 10  # NOTE: the decode before encode 1, queued first
     assert steps.next_codec().job_id == 1
     steps.encoded(_Put(1, SAVE, work.Encoded(RAW)))
     assert steps.next_request().job_id == 12  # NOTE: PUT 0 still runs: the GET first
-    steps.put_done()
+    steps.save_ended(put=True)
     assert [steps.next_request().job_id for _ in range(2)] == [1, 13]
 
 

@@ -209,36 +209,29 @@ class _Steps:
             self._saving += 1
             return self._encodes.popleft()
 
-    def got(self, step: _Decode | None) -> None:
-        """A GET returned: its object to decode, or None when the fetch ended there."""
-        with self._requests:
-            if step is None:
-                self._fetching -= 1
-                self._requests.notify()  # NOTE: room for a GET
-            else:
-                self._decodes.append(step)
-                self._codecs.notify()
+    def fetched(self, step: _Decode) -> None:
+        """A GET brought its object: decode it."""
+        with self._codecs:
+            self._decodes.append(step)
+            self._codecs.notify()
 
-    def decoded(self) -> None:
-        """A decode ended its fetch."""
+    def encoded(self, step: _Put) -> None:
+        """An encode made its object: PUT it."""
+        with self._requests:
+            self._puts.append(step)
+            self._requests.notify()
+
+    def fetch_ended(self) -> None:
+        """A fetch ended: at its GET (failed, or nothing stored) or at its decode."""
         with self._requests:
             self._fetching -= 1
             self._requests.notify()  # NOTE: room for a GET
 
-    def encoded(self, step: _Put | None) -> None:
-        """An encode returned: its object to PUT, or None when the save ended there."""
-        with self._requests:
-            if step is None:
-                self._saving -= 1
-                self._codecs.notify()  # NOTE: room for an encode
-            else:
-                self._puts.append(step)
-                self._requests.notify()
-
-    def put_done(self) -> None:
-        """A PUT ended its save."""
-        with self._requests:
-            self._putting -= 1
+    def save_ended(self, *, put: bool) -> None:
+        """A save ended: at its encode (failed), or at its PUT (``put``)."""
+        with self._codecs:
+            if put:
+                self._putting -= 1
             self._saving -= 1
             self._codecs.notify()  # NOTE: room for an encode
 
@@ -258,16 +251,16 @@ def _request_thread(steps: _Steps, replies: _Replies, backend: Backend) -> None:
             except Exception as exc:  # NOTE: one broken job must not stop the others
                 got = _crash_outcome(step.job_id, step.job, exc)
             if isinstance(got, Outcome):
-                steps.got(None)
+                steps.fetch_ended()
                 replies.put(got, urgent=True)
             else:
-                steps.got(_Decode(step.job_id, step.job, got))
+                steps.fetched(_Decode(step.job_id, step.job, got))
         else:
             try:
                 outcome = work.put(step.job_id, step.job, step.encoded, backend)
             except Exception as exc:
                 outcome = _crash_outcome(step.job_id, step.job, exc)
-            steps.put_done()
+            steps.save_ended(put=True)
             replies.put(outcome, urgent=False)
 
 
@@ -283,7 +276,7 @@ def _codec_thread(
                 outcome = work.decode(step.job_id, step.job, step.fetched, arena, keyring)
             except Exception as exc:
                 outcome = _crash_outcome(step.job_id, job, exc)
-            steps.decoded()
+            steps.fetch_ended()
             replies.put(outcome, urgent=True)
             continue
         try:
@@ -292,7 +285,7 @@ def _codec_thread(
         except Exception as exc:
             encoded = _crash_outcome(step.job_id, job, exc)
         if isinstance(encoded, Outcome):
-            steps.encoded(None)
+            steps.save_ended(put=False)
             replies.put(encoded, urgent=False)
         else:
             steps.encoded(_Put(step.job_id, step.job, encoded))
